@@ -1,0 +1,1 @@
+"""Benchmarks: the machine's compute ceiling, throughput, MFU and data-pipeline speed."""

@@ -1,0 +1,133 @@
+"""The compute ceiling for MFU: a known accelerator peak, or a matmul measured on this machine.
+
+Known peaks are the vendors' dense bf16 figures, the usual MFU denominator. CPUs (and chips not in
+the table) have none, so there the ceiling is measured, in the same process as the benchmark that
+uses it: the same cores may be slower on another day or under another load.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Any, Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from midas_jax.errors import require
+
+# First match wins, on the lower-cased device_kind with spaces and dashes removed, so the more
+# specific names come first ("v5lite" before "v5", "h100pcie" before "h100").
+_KNOWN_BF16_PEAKS = (
+    ("v4lite", None),  # v4i: an inference part, not in the table
+    ("v4", 275e12),
+    ("v5lite", 197e12),  # how JAX names v5e
+    ("v5e", 197e12),
+    ("v5p", 459e12),
+    ("v5", 459e12),  # v5p reports plain "TPU v5"
+    ("v6lite", 918e12),  # how JAX names v6e (Trillium)
+    ("v6e", 918e12),
+    ("a100", 312e12),
+    ("h100pcie", 756e12),  # the PCIe card runs at lower clocks and power than SXM
+    ("h100", 989e12),
+    ("h200", 989e12),
+)
+
+
+def known_peak_flops(device: Union[Any, str]) -> Optional[float]:
+  """Dense bf16 FLOP/s of one accelerator chip, from a jax Device or a device_kind string.
+
+  None for CPUs and for kinds not in the table (measure those instead).
+  """
+  if isinstance(device, str):
+    kind = device
+  else:
+    if getattr(device, "platform", None) == "cpu":
+      return None
+    kind = getattr(device, "device_kind", "")
+  key = kind.lower().replace(" ", "").replace("-", "").replace("_", "")
+  for name, peak in _KNOWN_BF16_PEAKS:
+    if name in key:
+      return peak
+  return None
+
+
+def measure_matmul_peak(dtype: str = "float32", accum_dtype: Optional[str] = None,
+                        size: int = 2048, repeats: int = 10) -> float:
+  """Measured matmul FLOP/s per local device: size x size operands of `dtype`, accumulated and
+  returned in `accum_dtype` (None: in `dtype`).
+
+  Every local device multiplies its own pair at once (one sharded batched matmul), and the result
+  is divided by the device count, so on a host split into N devices the figure is each device's
+  share of the machine, not one device's speed with the rest idle. Median of `repeats` timed runs
+  after a warm-up; each time includes dispatch, as a training step's does.
+  """
+  require(size > 0 and repeats > 0, "measure_matmul_peak", f"size={size}, repeats={repeats}",
+          "pass positive size and repeats")
+  devices = jax.local_devices()
+  n = len(devices)
+  in_dtype = jnp.dtype(dtype)
+  out_dtype = jnp.dtype(accum_dtype) if accum_dtype is not None else in_dtype
+  mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("devices"))
+
+  @functools.partial(jax.jit, out_shardings=(sharding, sharding))
+  def operands(key):
+    ka, kb = jax.random.split(key)
+    shape = (n, size, size)
+    return (jax.random.normal(ka, shape, jnp.float32).astype(in_dtype),
+            jax.random.normal(kb, shape, jnp.float32).astype(in_dtype))
+
+  @functools.partial(jax.jit, out_shardings=sharding)
+  def matmul(a, b):
+    # Batch dim 0 is the device axis: each device does exactly one size^3 matmul, no communication.
+    dims = (((2,), (1,)), ((0,), (0,)))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
+
+  a, b = operands(jax.random.key(0))
+  for _ in range(2):  # compile, then one run to settle caches and thread pools
+    matmul(a, b).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a, b).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2.0 * size ** 3 / statistics.median(times)
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(dtype: str, accum_dtype: Optional[str]) -> float:
+  # About a second on a 2-core CPU; measured once per process and dtype pair.
+  return measure_matmul_peak(dtype, accum_dtype, size=1024, repeats=5)
+
+
+def peak_flops_with_source(override: Optional[float] = None, dtype: str = "bfloat16",
+                           accum_dtype: Optional[str] = "float32") -> Tuple[float, str]:
+  """(FLOP/s per device, where it came from), for the MFU denominator and the log that explains it.
+
+  override (TrainerConfig.peak_flops_per_device) wins; else the known bf16 peak of the first local
+  device; else a matmul of `dtype` inputs accumulated in `accum_dtype` measured now. The default
+  pair, bf16 inputs with f32 accumulation, is what a bf16 model's matmuls do, and on CPUs with
+  bf16 instructions it is also the fastest path, so MFU against it is not flattered.
+  """
+  if override is not None:
+    require(override > 0, "TrainerConfig.peak_flops_per_device", f"must be > 0, got {override!r}",
+            "set the chip's peak FLOP/s, or None to look it up or measure it")
+    return float(override), "override"
+  device = jax.local_devices()[0]
+  known = known_peak_flops(device)
+  if known is not None:
+    return known, f"known bf16 dense peak of {device.device_kind}"
+  accum = f" with {accum_dtype} accumulation" if accum_dtype else ""
+  source = (f"measured {dtype}{accum} 1024x1024 matmul, per device of "
+            f"{jax.local_device_count()} {device.platform} device(s)")
+  return _measured(dtype, accum_dtype), source
+
+
+def peak_flops_per_device(override: Optional[float] = None, dtype: str = "bfloat16",
+                          accum_dtype: Optional[str] = "float32") -> float:
+  """FLOP/s per device for MFU: override, else a known peak, else measured (see
+  peak_flops_with_source)."""
+  return peak_flops_with_source(override, dtype, accum_dtype)[0]

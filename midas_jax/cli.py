@@ -1,0 +1,130 @@
+"""The `midas` command line (also `python -m midas_jax`).
+
+  midas train --gin_file=F [--gin_file=F2 ...] [--gin.KEY=VALUE ...] --workdir=DIR
+  midas bench train --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]
+  midas data write-corpus --out=DIR
+  midas data train-spm --files=GLOB [--files=GLOB ...] --vocab_size=N --out=PREFIX
+
+Bad input (unknown flags or gin settings, impossible shapes, missing files, an unwritable workdir)
+ends with a one-paragraph message naming the setting and the fix, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sys
+from typing import List, Optional, Sequence, Tuple
+
+from midas_jax.errors import ConfigError
+
+
+def split_gin_bindings(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+  """Separates t5x-style `--gin.KEY=VALUE` flags from the rest of argv."""
+  bindings, rest = [], []
+  for arg in argv:
+    if arg.startswith("--gin."):
+      key, sep, value = arg[len("--gin."):].partition("=")
+      if not sep or not key:
+        raise ConfigError(arg, "a gin binding needs a value", "write --gin.Class.setting=VALUE")
+      bindings.append(f"{key}={value}")
+    else:
+      rest.append(arg)
+  return bindings, rest
+
+
+def _add_gin_flags(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--gin_file", action="append", default=[],
+                      help="gin config file; repeatable, later files override earlier ones")
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="midas", description="Pretrain language models that grow in depth.",
+                                   epilog="Override any gin setting with --gin.Class.setting=VALUE.")
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  train = sub.add_parser("train", help="train (or resume) a model")
+  _add_gin_flags(train)
+  train.add_argument("--workdir", required=True, help="output directory: config, metrics, checkpoints")
+
+  bench = sub.add_parser("bench", help="benchmarks")
+  bench_sub = bench.add_subparsers(dest="bench", required=True)
+  bench_train = bench_sub.add_parser("train", help="steady-state tokens/s and MFU against the matmul peak")
+  _add_gin_flags(bench_train)
+  bench_train.add_argument("--steps", type=int, default=10, help="timed steps (after warmup)")
+  bench_train.add_argument("--warmup", type=int, default=2, help="untimed steps, compile included")
+  bench_train.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+  data = sub.add_parser("data", help="data utilities")
+  data_sub = data.add_subparsers(dest="data", required=True)
+  corpus = data_sub.add_parser("write-corpus", help="write the built-in corpus as text files")
+  corpus.add_argument("--out", required=True)
+  corpus.add_argument("--seed", type=int, default=0)
+  spm = data_sub.add_parser("train-spm", help="train a SentencePiece model on local text files")
+  spm.add_argument("--files", action="append", required=True, help="glob; repeatable")
+  spm.add_argument("--vocab_size", type=int, default=8000)
+  spm.add_argument("--out", required=True, help="model prefix: writes PREFIX.model")
+  return parser
+
+
+def _load_run_config(gin_files, bindings):
+  from midas_jax import gin_config  # pylint: disable=import-outside-toplevel
+  if not gin_files:
+    raise ConfigError("--gin_file", "no gin file given", "pass e.g. --gin_file=gin/experiments/cpu_demo.gin")
+  gin_config.parse(gin_files, bindings)
+  return gin_config.run_config_from_gin(), gin_config
+
+
+def _train(args, bindings) -> int:
+  from midas_jax.train.loop import train  # pylint: disable=import-outside-toplevel
+  config, gin_config = _load_run_config(args.gin_file, bindings)
+  result = train(config, args.workdir, operative_config=gin_config.operative_config())
+  print(json.dumps({"steps": result.steps, "final_loss": result.final_loss,
+                    "final_eval_loss": result.final_eval_loss,
+                    "wall_seconds": round(result.wall_seconds, 1), "workdir": result.workdir}))
+  return 0
+
+
+def _bench(args, bindings) -> int:
+  from midas_jax.bench import train_bench  # pylint: disable=import-outside-toplevel
+  config, _ = _load_run_config(args.gin_file, bindings)
+  report = train_bench.run(config, steps=args.steps, warmup=args.warmup)
+  print(train_bench.format_report(report))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=2)
+  return 0
+
+
+def _data(args, bindings) -> int:
+  del bindings
+  if args.data == "write-corpus":
+    from midas_jax.data import corpus  # pylint: disable=import-outside-toplevel
+    for split, path in corpus.write_text_files(args.out, seed=args.seed).items():
+      print(f"{split}: {path}")
+    return 0
+  from midas_jax.data import vocab  # pylint: disable=import-outside-toplevel
+  files = sorted({f for pattern in args.files for f in glob.glob(pattern)})
+  if not files:
+    raise ConfigError("--files", f"no file matches {args.files}", "pass a glob that matches text files")
+  print(vocab.train_sentencepiece(files, args.out, vocab_size=args.vocab_size))
+  return 0
+
+
+COMMANDS = {"train": _train, "bench": _bench, "data": _data}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  try:
+    bindings, rest = split_gin_bindings(argv)
+    args = _parser().parse_args(rest)
+    return COMMANDS[args.command](args, bindings)
+  except ConfigError as e:
+    print(f"midas: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,281 @@
+"""Plain dataclass configs for every part of a run.
+
+Each config validates itself on construction, so a bad value fails with a message that names the
+setting and the fix before anything is compiled. gin binds these classes by name
+(`ModelConfig.d_model = 256`, see `gin_config.py`); Python and notebook users construct them
+directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Tuple
+
+from midas_jax.errors import require
+
+FAMILIES = ("llama", "gpt2")
+INIT_SCHEMES = ("gpt2", "gamma")
+REMAT_POLICIES = ("none", "full", "minimal", "save_dots")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A decoder-only transformer.
+
+  family: "llama" (RMSNorm, rotary positions, SwiGLU, no biases, optional GQA) or
+    "gpt2" (LayerNorm, learned positions, GELU MLP, biases, tied embeddings).
+  vocab_size: None takes the data vocabulary's size rounded up to `vocab_multiple`.
+  num_kv_heads: None means multi-head attention (= num_heads); fewer gives grouped-query attention.
+  init: "gpt2" (the default: N(0, init_std) for every weight matrix and embedding table, with the two
+    residual output projections scaled by 1/sqrt(2 * num_layers)), or "gamma": every weight matrix
+    and embedding table drawn from N(0, (fan_in ** -init_gamma) ** 2), fan_in being the matrix's input
+    dimension (d_model for embedding and position tables, heads * head_dim for the attention output,
+    d_ff for the MLP output). Norm scales start at 1 and biases at 0 under both schemes.
+  dtype: the compute dtype; param_dtype: the dtype parameters are stored (and updated) in.
+  """
+
+  family: str = "llama"
+  vocab_size: Optional[int] = None
+  vocab_multiple: int = 128
+  d_model: int = 256
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: Optional[int] = None
+  head_dim: Optional[int] = None
+  d_ff: int = 1024
+  max_seq_len: int = 2048
+  rope_theta: float = 10000.0
+  tie_embeddings: bool = True
+  norm_eps: float = 1e-5
+  init: str = "gpt2"
+  init_std: float = 0.02
+  init_gamma: float = 0.5
+  dtype: str = "bfloat16"
+  param_dtype: str = "float32"
+  remat_policy: str = "none"
+
+  def __post_init__(self):
+    s = "ModelConfig."
+    require(self.family in FAMILIES, s + "family", f"unknown family {self.family!r}",
+            f"use one of {FAMILIES}")
+    for name in ("d_model", "num_layers", "num_heads", "d_ff", "max_seq_len", "vocab_multiple"):
+      value = getattr(self, name)
+      require(isinstance(value, int) and value > 0, s + name, f"must be a positive int, got {value!r}",
+              f"set {s}{name} to a positive integer")
+    if self.head_dim is None:
+      require(self.d_model % self.num_heads == 0, s + "num_heads",
+              f"num_heads={self.num_heads} does not divide d_model={self.d_model}",
+              "pick num_heads that divides d_model, or set ModelConfig.head_dim explicitly")
+    kv = self.kv_heads
+    require(kv > 0 and self.num_heads % kv == 0, s + "num_kv_heads",
+            f"num_kv_heads={kv} does not divide num_heads={self.num_heads}",
+            "grouped-query attention needs num_heads to be a multiple of num_kv_heads")
+    require(self.family == "llama" or kv == self.num_heads, s + "num_kv_heads",
+            "grouped-query attention is a llama-family option", "leave num_kv_heads unset for gpt2")
+    require(self.family == "llama" or self.tie_embeddings, s + "tie_embeddings",
+            "gpt2-family models tie their embeddings", "set ModelConfig.tie_embeddings = True")
+    require(self.family != "llama" or self.resolved_head_dim % 2 == 0, s + "head_dim",
+            f"rotary positions need an even head_dim, got {self.resolved_head_dim}",
+            "choose d_model / num_heads (or head_dim) even")
+    require(self.init in INIT_SCHEMES, s + "init", f"unknown init scheme {self.init!r}",
+            f"use one of {INIT_SCHEMES}")
+    require(self.init_gamma > 0, s + "init_gamma", "must be > 0", "typical values are 0.3 to 1.0")
+    require(self.remat_policy in REMAT_POLICIES, s + "remat_policy",
+            f"unknown remat policy {self.remat_policy!r}", f"use one of {REMAT_POLICIES}")
+    for name in ("dtype", "param_dtype"):
+      require(getattr(self, name) in DTYPES, s + name, f"unsupported dtype {getattr(self, name)!r}",
+              f"use one of {DTYPES}")
+    if self.vocab_size is not None:
+      require(self.vocab_size > 0, s + "vocab_size", "must be positive",
+              "set it to at least the vocabulary size, or leave it None to take the vocabulary's")
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
+
+  def with_vocab(self, vocab_size: int) -> "ModelConfig":
+    """Fills vocab_size from the data vocabulary (padded), or checks that a set one is big enough."""
+    if self.vocab_size is None:
+      padded = -(-vocab_size // self.vocab_multiple) * self.vocab_multiple
+      return dataclasses.replace(self, vocab_size=padded)
+    require(self.vocab_size >= vocab_size, "ModelConfig.vocab_size",
+            f"{self.vocab_size} is smaller than the data vocabulary ({vocab_size} ids)",
+            f"set ModelConfig.vocab_size >= {vocab_size}, or leave it None")
+    return self
+
+
+DEFAULT_RULES: Tuple[Tuple[str, Optional[str | Tuple[str, ...]]], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv", None),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("layers", None),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh with axes (data, fsdp, tensor) and the logical-to-mesh axis rules.
+
+  One axis size may be -1: it takes all the devices the others leave. `rules` maps each logical axis
+  name to a mesh axis, a tuple of mesh axes, or None (replicated). `layers` must stay replicated, so
+  growing the depth never changes how the other dimensions are laid out.
+  """
+
+  data: int = -1
+  fsdp: int = 1
+  tensor: int = 1
+  rules: Tuple[Tuple[str, object], ...] = DEFAULT_RULES
+
+  def __post_init__(self):
+    sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+    for name, size in sizes.items():
+      require(size == -1 or (isinstance(size, int) and size > 0), f"MeshConfig.{name}",
+              f"axis size must be a positive int or -1, got {size!r}", "use -1 to fill the remaining devices")
+    require(list(sizes.values()).count(-1) <= 1, "MeshConfig",
+            "more than one axis size is -1", "set at most one of data, fsdp, tensor to -1")
+    rules = dict(self.rules_as_tuples())
+    require(rules.get("layers") is None, "MeshConfig.rules",
+            "the 'layers' axis is mapped to a mesh axis",
+            "map 'layers' to None: growth must never change the other axes' layout")
+
+  def rules_as_tuples(self) -> Tuple[Tuple[str, object], ...]:
+    out = []
+    for rule in self.rules:
+      logical, mesh_axes = rule
+      if isinstance(mesh_axes, list):
+        mesh_axes = tuple(mesh_axes)
+      out.append((logical, mesh_axes))
+    return tuple(out)
+
+
+DECAYS = ("cosine", "linear", "rsqrt", "constant")
+OPTIMIZERS = ("adamw", "adafactor")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """optax optimizer and learning-rate schedule: linear warmup, then the chosen decay.
+
+  decay "cosine" and "linear" fall to final_lr_fraction * learning_rate at the last step; "rsqrt"
+  scales by sqrt(warmup_steps / step) after warmup; "constant" holds the peak.
+  Weight decay skips norms and biases always, and embedding tables unless decay_embeddings.
+  """
+
+  name: str = "adamw"
+  learning_rate: float = 3e-3
+  warmup_steps: int = 100
+  decay: str = "cosine"
+  final_lr_fraction: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  decay_embeddings: bool = False
+  grad_clip_norm: Optional[float] = 1.0
+  z_loss: float = 0.0
+
+  def __post_init__(self):
+    s = "OptimizerConfig."
+    require(self.name in OPTIMIZERS, s + "name", f"unknown optimizer {self.name!r}",
+            f"use one of {OPTIMIZERS}")
+    require(self.decay in DECAYS, s + "decay", f"unknown decay {self.decay!r}", f"use one of {DECAYS}")
+    require(self.learning_rate > 0, s + "learning_rate", "must be > 0", "typical values: 1e-4 to 3e-3")
+    require(self.warmup_steps >= 0, s + "warmup_steps", "must be >= 0", "set it to 0 for no warmup")
+    require(0 <= self.final_lr_fraction <= 1, s + "final_lr_fraction", "must be in [0, 1]",
+            "0.1 is a common choice")
+    require(self.grad_clip_norm is None or self.grad_clip_norm > 0, s + "grad_clip_norm",
+            "must be > 0 or None", "use None to turn clipping off")
+    require(self.z_loss >= 0, s + "z_loss", "must be >= 0", "1e-4 is the t5x default; 0 turns it off")
+
+
+SOURCES = ("builtin", "text")
+VOCABS = ("byte", "sentencepiece")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where tokens come from and how they are batched.
+
+  source "builtin": the generated corpus (nothing downloaded); "text": local .txt/.jsonl/.gz files
+  (train_files, eval_files: glob patterns). batch_size is the global number of rows per step.
+  """
+
+  source: str = "builtin"
+  train_files: Tuple[str, ...] = ()
+  eval_files: Tuple[str, ...] = ()
+  jsonl_field: str = "text"
+  vocab: str = "byte"
+  spm_model: Optional[str] = None
+  extra_ids: int = 128
+  corpus_seed: int = 0
+  seq_len: int = 256
+  batch_size: int = 16
+  seed: int = 0
+  min_chunk: int = 16
+
+  def __post_init__(self):
+    s = "DataConfig."
+    require(self.source in SOURCES, s + "source", f"unknown source {self.source!r}",
+            f"use one of {SOURCES}")
+    require(self.vocab in VOCABS, s + "vocab", f"unknown vocabulary {self.vocab!r}",
+            f"use one of {VOCABS}")
+    require(self.vocab != "sentencepiece" or bool(self.spm_model), s + "spm_model",
+            "vocab='sentencepiece' needs a model file",
+            "set DataConfig.spm_model, or train one with `midas data train-spm`")
+    require(self.source != "text" or len(self.train_files) > 0, s + "train_files",
+            "source='text' needs training files", "set DataConfig.train_files = ['path/*.txt']")
+    require(self.seq_len >= 8, s + "seq_len", f"must be >= 8, got {self.seq_len}", "typical: 256 to 8192")
+    require(self.batch_size > 0, s + "batch_size", "must be > 0", "set a positive global batch size")
+    require(2 <= self.min_chunk <= self.seq_len, s + "min_chunk", "must be in [2, seq_len]",
+            "16 is the default")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  """The loop: how long, how often to log and evaluate, and the MFU denominator.
+
+  peak_flops_per_device: None takes a known accelerator's bf16 peak, or on CPU measures a matmul.
+  """
+
+  num_steps: int = 1000
+  seed: int = 0
+  log_every: int = 50
+  eval_every: int = 250
+  eval_batches: int = 4
+  peak_flops_per_device: Optional[float] = None
+  progress_bar: bool = True
+
+  def __post_init__(self):
+    s = "TrainerConfig."
+    require(self.num_steps > 0, s + "num_steps", "must be > 0", "set the number of training steps")
+    require(self.log_every > 0, s + "log_every", "must be > 0", "log every N >= 1 steps")
+    require(self.eval_every >= 0, s + "eval_every", "must be >= 0", "0 turns periodic eval off")
+    require(self.eval_batches > 0, s + "eval_batches", "must be > 0", "evaluate on >= 1 batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """Everything one training run needs."""
+
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+
+  def __post_init__(self):
+    require(self.data.seq_len <= self.model.max_seq_len, "DataConfig.seq_len",
+            f"seq_len={self.data.seq_len} exceeds ModelConfig.max_seq_len={self.model.max_seq_len}",
+            "raise ModelConfig.max_seq_len or lower DataConfig.seq_len")
+
+
+CONFIG_CLASSES: Sequence[type] = (ModelConfig, MeshConfig, OptimizerConfig, DataConfig, TrainerConfig)

@@ -1,0 +1,142 @@
+"""gin at the edges: registers the config dataclasses and turns gin files and bindings into a RunConfig.
+
+Modules never read gin; only the entry points call `parse` and `run_config_from_gin`.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import difflib
+import inspect
+import logging
+import os
+import re
+from typing import Iterable, List, Sequence
+
+import gin
+
+from midas_jax import configs
+from midas_jax.errors import ConfigError
+
+_registered = False
+
+
+def gin_search_paths() -> List[str]:
+  """The repository's gin/ folder (installed as package data midas_jax/gin_configs) and the cwd."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  candidates = [os.path.join(here, "gin_configs"), os.path.join(os.path.dirname(here), "gin"), os.getcwd()]
+  return [p for p in candidates if os.path.isdir(p)]
+
+
+def register_configurables() -> None:
+  global _registered
+  if _registered:
+    return
+  for cls in configs.CONFIG_CLASSES:
+    gin.configurable(cls, module="midas")
+  _registered = True
+
+
+def _resolve_file(path: str) -> str:
+  if os.path.isfile(path):
+    return path
+  for root in gin_search_paths():
+    candidate = os.path.join(root, path)
+    if os.path.isfile(candidate):
+      return candidate
+  raise ConfigError("--gin_file", f"no gin file {path!r} (looked in the current directory and in "
+                    f"{', '.join(gin_search_paths())})",
+                    "pass a path to an existing file, e.g. gin/experiments/cpu_demo.gin")
+
+
+def _quote_bare_string(binding: str) -> str:
+  """Lets `--gin.DataConfig.source=text` mean the string 'text' as a convenience."""
+  key, sep, value = binding.partition("=")
+  value = value.strip()
+  if not sep or not value or value[0] in "@%'\"[({" or value in ("True", "False", "None"):
+    return binding
+  try:
+    ast.literal_eval(value)
+    return binding
+  except (ValueError, SyntaxError):
+    return f"{key}={value!r}"
+
+
+def _suggest(name: str, choices: Iterable[str]) -> str:
+  close = difflib.get_close_matches(name, list(choices), n=3)
+  return f"did you mean {', '.join(close)}?" if close else ""
+
+
+def _explain_gin_error(e: Exception) -> ConfigError:
+  msg = str(e).split("\n")[0]
+  m = re.search(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", msg)
+  if m:
+    cls = next((c for c in configs.CONFIG_CLASSES if c.__name__ == m.group(1).split(".")[-1]), None)
+    params = list(inspect.signature(cls).parameters) if cls else []
+    hint = _suggest(m.group(2), params)
+    return ConfigError(f"{m.group(1)}.{m.group(2)}", "unknown setting",
+                       f"{hint + ' ' if hint else ''}valid settings: {', '.join(params)}")
+  m = re.search(r"No configurable matching '([\w.]+)'", msg)
+  if m:
+    names = [c.__name__ for c in configs.CONFIG_CLASSES]
+    hint = _suggest(m.group(1), names)
+    return ConfigError(m.group(1), "unknown configurable",
+                       f"{hint + ' ' if hint else ''}configurable classes: {', '.join(names)}")
+  return ConfigError("gin", msg, "check the gin file or --gin binding named above")
+
+
+@contextlib.contextmanager
+def _quiet_include_search():
+  """gin logs an error for every search path an include is not found in, even when a later one has it."""
+  class _DropPathNotFound(logging.Filter):
+    def filter(self, record):
+      return not str(record.msg).startswith("Path not found")
+  root = logging.getLogger()
+  quiet = _DropPathNotFound()
+  root.addFilter(quiet)
+  try:
+    yield
+  finally:
+    root.removeFilter(quiet)
+
+
+def parse(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
+  """Parses gin files (in order) then bindings (which override them)."""
+  register_configurables()
+  gin.clear_config()
+  for root in gin_search_paths():
+    gin.add_config_file_search_path(root)
+  files = [_resolve_file(f) for f in gin_files]
+  try:
+    with _quiet_include_search():
+      gin.parse_config_files_and_bindings(files, [_quote_bare_string(b) for b in bindings])
+  except ConfigError:
+    raise
+  except (ValueError, SyntaxError, IOError) as e:
+    raise _explain_gin_error(e) from None
+
+
+def _unwrap_config_error(e: Exception) -> None:
+  """gin re-raises errors from inside a configurable with extra context; surface ours unchanged."""
+  cause = e
+  while cause is not None:
+    if isinstance(cause, ConfigError):
+      raise ConfigError(cause.setting, cause.problem, cause.fix) from None
+    cause = cause.__cause__ or cause.__context__
+
+
+def run_config_from_gin() -> configs.RunConfig:
+  """Builds the RunConfig from the parsed bindings; validation errors name the setting."""
+  register_configurables()
+  try:
+    return configs.RunConfig(model=configs.ModelConfig(), mesh=configs.MeshConfig(),
+                             optimizer=configs.OptimizerConfig(), data=configs.DataConfig(),
+                             trainer=configs.TrainerConfig())
+  except Exception as e:  # pylint: disable=broad-except
+    _unwrap_config_error(e)
+    raise
+
+
+def operative_config() -> str:
+  return gin.operative_config_str()

@@ -1,0 +1,97 @@
+"""The decoder-only transformer: embeddings, a scanned stack of blocks, final norm, LM head.
+
+The blocks are scanned (nn.scan), so every per-layer parameter carries a leading `layers` axis
+(DESIGN.md, decision 1): params["layers"]["attn"]["query"] has shape [num_layers, embed, heads, kv].
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from midas_jax.configs import ModelConfig
+from midas_jax.model.attention import make_attention_mask
+from midas_jax.model.layers import Block, Norm, dtype_of, param, weight_init
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+}
+
+
+def _block_class(cfg: ModelConfig):
+  if cfg.remat_policy == "none":
+    return Block
+  return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
+
+
+def scanned_blocks(cfg: ModelConfig, num_layers: int):
+  """nn.scan of Block over `num_layers` layers, tagging each param with the `layers` axis."""
+  return nn.scan(
+      _block_class(cfg),
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      in_axes=(nn.broadcast, nn.broadcast),
+      length=num_layers,
+      metadata_params={nn.PARTITION_NAME: "layers"},
+  )
+
+
+class Decoder(nn.Module):
+  """Maps a batch (DESIGN.md decision 4) to float32 logits [batch, length, vocab]."""
+
+  cfg: ModelConfig
+
+  def setup(self):
+    cfg = self.cfg
+    assert cfg.vocab_size is not None, "call ModelConfig.with_vocab() before building the model"
+    embed_init = weight_init(cfg, fan_in=cfg.d_model)
+    self.embedding = param(self, "embedding", embed_init, (cfg.vocab_size, cfg.d_model),
+                           ("vocab", "embed"), cfg)
+    if cfg.family == "gpt2":
+      self.position_embedding = param(self, "position_embedding", embed_init,
+                                      (cfg.max_seq_len, cfg.d_model), ("length", "embed"), cfg)
+    self.layers = scanned_blocks(cfg, cfg.num_layers)(cfg, name="layers")
+    self.final_norm = Norm(cfg, name="final_norm")
+    if not cfg.tie_embeddings:
+      self.head = param(self, "head", embed_init, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg)
+
+  def embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    dtype = dtype_of(self.cfg.dtype)
+    x = jnp.take(self.embedding, tokens, axis=0).astype(dtype)
+    if self.cfg.family == "gpt2":
+      x = x + jnp.take(self.position_embedding, positions, axis=0).astype(dtype)
+    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    x = self.final_norm(x)
+    if self.cfg.tie_embeddings:
+      out = jnp.einsum("btd,vd->btv", x, self.embedding.astype(x.dtype), preferred_element_type=jnp.float32)
+    else:
+      out = jnp.einsum("btd,dv->btv", x, self.head.astype(x.dtype), preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(out, ("batch", "length", "vocab"))
+
+  def __call__(self, batch: Mapping[str, jax.Array]) -> jax.Array:
+    positions = batch["positions"]
+    mask = make_attention_mask(batch["segment_ids"], positions, batch["prefix_mask"])
+    x = self.embed(batch["inputs"], positions)
+    x, _ = self.layers(x, positions, mask)
+    return self.logits(x)
+
+
+def dummy_batch(batch_size: int, seq_len: int) -> dict:
+  """A shape-only batch for initialization and tracing."""
+  ints = jnp.zeros((batch_size, seq_len), jnp.int32)
+  return {
+      "inputs": ints,
+      "targets": ints,
+      "positions": jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch_size, seq_len)),
+      "segment_ids": jnp.ones((batch_size, seq_len), jnp.int32),
+      "prefix_mask": jnp.zeros((batch_size, seq_len), jnp.bool_),
+      "loss_weights": jnp.ones((batch_size, seq_len), jnp.float32),
+      "objective_ids": ints,
+  }

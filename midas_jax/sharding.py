@@ -1,0 +1,112 @@
+"""Device mesh, logical-axis rules, and the shardings of parameters, optimizer state and batches.
+
+Parameters carry logical axis names (batch, length, embed, heads, kv, mlp, vocab, layers); one rule
+table per mesh (gin/meshes/) maps them to the mesh axes (data, fsdp, tensor). Optimizer moments
+mirror the parameter tree, so an optimizer-state leaf whose path ends with a parameter's path and
+has its shape gets that parameter's axes; everything else (step counts, factored statistics) is
+replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from midas_jax.configs import MeshConfig, ModelConfig
+from midas_jax.errors import ConfigError, require
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+def resolve_mesh_shape(cfg: MeshConfig, num_devices: int) -> Tuple[int, int, int]:
+  sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    require(num_devices % known == 0, "MeshConfig", f"the fixed axis sizes (product {known}) do not divide the "
+            f"{num_devices} available devices", "choose axis sizes whose product divides the device count")
+    sizes[sizes.index(-1)] = num_devices // known
+  shape = tuple(sizes)
+  if math.prod(shape) != num_devices:
+    raise ConfigError("MeshConfig", f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} needs "
+                      f"{math.prod(shape)} devices but {num_devices} are available",
+                      "make the product of the axis sizes equal the device count, or set one axis to -1")
+  return shape
+
+
+def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A (data, fsdp, tensor) mesh with Auto axis types (GSPMD-style sharding constraints work)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = resolve_mesh_shape(cfg, len(devices))
+  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+
+
+def check_divisibility(model: ModelConfig, mesh: Mesh, global_batch: int) -> None:
+  """Every sharded dimension must divide by its mesh axes; say which setting to change if not."""
+  sizes = dict(mesh.shape)
+  batch_shards = sizes["data"] * sizes["fsdp"]
+  require(global_batch % batch_shards == 0, "DataConfig.batch_size",
+          f"global batch {global_batch} is not divisible by data x fsdp = {batch_shards}",
+          f"use a batch size that is a multiple of {batch_shards}")
+  tensor = sizes["tensor"]
+  for name, value in (("num_heads", model.num_heads), ("num_kv_heads", model.kv_heads),
+                      ("d_ff", model.d_ff), ("vocab_size", model.vocab_size)):
+    require(value % tensor == 0, f"ModelConfig.{name}",
+            f"{name}={value} is not divisible by the tensor axis ({tensor})",
+            f"make {name} a multiple of {tensor} or shrink MeshConfig.tensor")
+  require(model.d_model % sizes["fsdp"] == 0, "ModelConfig.d_model",
+          f"d_model={model.d_model} is not divisible by the fsdp axis ({sizes['fsdp']})",
+          "make d_model a multiple of the fsdp axis size or shrink MeshConfig.fsdp")
+
+
+def logical_to_sharding(logical_specs: Any, mesh: Mesh, rules) -> Any:
+  """A tree of logical PartitionSpecs -> a tree of NamedShardings on `mesh`."""
+  return nn.logical_to_mesh_sharding(logical_specs, mesh, list(rules))
+
+
+def _path_key(path) -> Tuple[str, ...]:
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def mirror_param_specs(tree: Any, params: Any, param_specs: Any) -> Any:
+  """Logical specs for `tree` (e.g. an optax state) by matching leaf paths against parameters.
+
+  A leaf gets a parameter's spec when its path ends with that parameter's path and the shapes agree;
+  any other leaf (a step count, a factored second moment) gets P() and is replicated.
+  """
+  by_path = {}
+  for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                jax.tree_util.tree_leaves(param_specs, is_leaf=lambda x: isinstance(x, P))):
+    by_path[_path_key(path)] = (np.shape(leaf), spec)
+
+  def spec_for(path, leaf):
+    key = _path_key(path)
+    for start in range(len(key)):
+      match = by_path.get(key[start:])
+      if match is not None and match[0] == np.shape(leaf):
+        return match[1]
+    return P()
+
+  return jax.tree_util.tree_map_with_path(spec_for, tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def shard_batch(batch: Mapping[str, np.ndarray], mesh: Mesh) -> dict:
+  """Places a host's slice of the global batch on the mesh, split over (data, fsdp).
+
+  Each process passes only the rows it built; on one process that is the whole batch.
+  """
+  sharding = batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}

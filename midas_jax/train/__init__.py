@@ -1,0 +1,1 @@
+"""Training: the step, the loop, and what it records (metrics, progress)."""

@@ -1,0 +1,85 @@
+"""Everything a run needs, built and validated from a RunConfig before anything is compiled."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Dict, List, Tuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from midas_jax import sharding
+from midas_jax.configs import ModelConfig, RunConfig
+from midas_jax.data.pipeline import CausalLMPipeline, tokenize_documents
+from midas_jax.data.sources import load_documents
+from midas_jax.data.vocab import make_vocabulary
+from midas_jax.model import Decoder
+from midas_jax.train import optimizer as optimizer_lib
+from midas_jax.train import step as step_lib
+from midas_jax.train.state import StateLayout, TrainState, create_train_state, state_layout
+
+
+@dataclasses.dataclass
+class Experiment:
+  config: RunConfig
+  model_config: ModelConfig  # config.model with vocab_size filled in
+  vocab: Any
+  pipeline: CausalLMPipeline
+  mesh: Mesh
+  rules: Tuple[Tuple[str, Any], ...]
+  model: Decoder
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  layout: StateLayout
+
+  @contextlib.contextmanager
+  def context(self):
+    """Mesh and logical-axis rules for tracing: activation sharding constraints resolve here."""
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(list(self.rules)):
+      yield
+
+  def init_state(self) -> TrainState:
+    with self.context():
+      return create_train_state(self.model, self.tx, self.layout,
+                                jax.random.key(self.config.trainer.seed), self.config.data.seq_len)
+
+  def jit_train_step(self):
+    step = step_lib.make_train_step(self.model, self.tx, self.schedule, self.config.optimizer.z_loss)
+    return jax.jit(step, in_shardings=(self.layout.shardings, sharding.batch_sharding(self.mesh)),
+                   out_shardings=(self.layout.shardings, sharding.replicated(self.mesh)),
+                   donate_argnums=0)
+
+  def jit_eval_step(self):
+    return jax.jit(step_lib.make_eval_step(self.model),
+                   in_shardings=(self.layout.shardings.params, sharding.batch_sharding(self.mesh)),
+                   out_shardings=sharding.replicated(self.mesh))
+
+  def device_batch(self, step: int, split: str = "train") -> Dict[str, jax.Array]:
+    host = self.pipeline.batch(step, split, jax.process_index(), jax.process_count())
+    return sharding.shard_batch(host, self.mesh)
+
+
+def load_token_documents(config: RunConfig, vocab) -> Dict[str, List[np.ndarray]]:
+  return {split: tokenize_documents(load_documents(config.data, split), vocab)
+          for split in ("train", "validation")}
+
+
+def build_experiment(config: RunConfig, devices=None) -> Experiment:
+  """Reads the data, checks every shape against the mesh, and lays out the state, compiling nothing."""
+  vocab = make_vocabulary(config.data)
+  model_config = config.model.with_vocab(vocab.vocab_size)
+  mesh = sharding.make_mesh(config.mesh, devices)
+  sharding.check_divisibility(model_config, mesh, config.data.batch_size)
+  pipeline = CausalLMPipeline(config.data, load_token_documents(config, vocab))
+  model = Decoder(model_config)
+  num_steps = config.trainer.num_steps
+  tx = optimizer_lib.make_optimizer(config.optimizer, num_steps)
+  schedule = optimizer_lib.learning_rate_schedule(config.optimizer, num_steps)
+  rules = config.mesh.rules_as_tuples()
+  layout = state_layout(model, tx, mesh, rules, config.data.seq_len)
+  return Experiment(config=config, model_config=model_config, vocab=vocab, pipeline=pipeline, mesh=mesh,
+                    rules=rules, model=model, tx=tx, schedule=schedule, layout=layout)

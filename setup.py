@@ -1,0 +1,48 @@
+"""midas_jax: pretraining language models that grow in depth (MIDAS stacking), in JAX/Flax."""
+
+from setuptools import find_packages, setup
+
+# Versions that resolved together and passed every check on our machines (see DESIGN notes in
+# shared/reference/dependencies.md). Pinned because jax, flax and orbax break each other's APIs.
+CORE = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "gin-config==0.5.0",
+    "numpy==2.4.6",
+    "sentencepiece==0.2.3",
+    "tensorboardX>=2.6",
+    "tqdm>=4.60",
+]
+
+EXTRAS = {
+    # seqio Tasks, TFDS data sets (C4), SentencePiece through seqio. tensorflow-text needs the full
+    # tensorflow package, not tensorflow-cpu.
+    "data": ["seqio==0.0.20", "tensorflow==2.21.0", "tensorflow-text==2.21.1",
+             "tensorflow-datasets==4.9.10"],
+    # Hugging Face export. torch is pinned so pip takes the CPU build instead of a multi-GB CUDA one.
+    "convert": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0"],
+    "notebooks": ["nbclient==0.11.0", "nbformat==5.11.1", "ipykernel==7.4.0", "nbmake==1.5.5"],
+    "test": ["pytest==9.2.0", "hypothesis>=6.100"],
+    "tpu": ["jax[tpu]==0.10.2"],
+    "cuda12": ["jax[cuda12]==0.10.2"],
+}
+
+setup(
+    name="midas_jax",
+    version="0.1.0",
+    description="JAX/Flax pretraining of language models that grow in depth while they train",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["midas_jax", "midas_jax.*"]) + ["midas_jax.gin_configs"],
+    # The repository's gin/ folder ships inside the package, so installed copies find the configs.
+    package_dir={"midas_jax.gin_configs": "gin"},
+    package_data={"midas_jax.gin_configs": ["*.gin", "*/*.gin"]},
+    install_requires=CORE,
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["midas=midas_jax.cli:main"]},
+    license="Apache-2.0",
+)

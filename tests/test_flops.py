@@ -1,0 +1,74 @@
+"""Parameter and FLOP counts from configs, checked against hand arithmetic."""
+
+import dataclasses
+
+import pytest
+
+from midas_jax.configs import ModelConfig
+from midas_jax.errors import ConfigError
+from midas_jax.flops import forward_flops_per_token, matmul_params, param_counts, train_flops_per_token
+
+GPT2_SMALL = ModelConfig(family="gpt2", vocab_size=50257, d_model=768, num_layers=12, num_heads=12,
+                         d_ff=3072, max_seq_len=1024)
+# Small llama with GQA and an untied head: d 64, 4 query heads and 2 kv heads of 16, d_ff 160.
+LLAMA = ModelConfig(family="llama", vocab_size=256, d_model=64, num_layers=3, num_heads=4,
+                    num_kv_heads=2, d_ff=160, max_seq_len=128, tie_embeddings=False)
+
+
+def test_gpt2_small_is_124m():
+  c = param_counts(GPT2_SMALL)
+  assert c["total"] == 124_439_808
+  assert c["embedding"] == 50257 * 768 and c["position_embedding"] == 1024 * 768
+  assert c["attention_per_layer"] == 4 * 768 * 768 + 4 * 768
+  assert c["mlp_per_layer"] == 2 * 768 * 3072 + 3072 + 768
+  assert c["norms"] == 12 * 4 * 768 + 2 * 768 and c["head"] == 0
+  assert c["non_embedding"] == 124_439_808 - 50257 * 768 - 1024 * 768  # 85,056,000
+
+
+def test_llama_gqa_by_hand():
+  c = param_counts(LLAMA)
+  attention = 64 * 64 + 2 * 64 * 32 + 64 * 64  # q, k, v (2 kv heads x 16), o
+  mlp = 3 * 64 * 160
+  assert c["attention_per_layer"] == attention == 12288
+  assert c["mlp_per_layer"] == mlp == 30720
+  assert c["norms_per_layer"] == 128 and c["final_norm"] == 64 and c["position_embedding"] == 0
+  assert c["head"] == 256 * 64
+  total = 256 * 64 + 3 * (attention + mlp + 128) + 64 + 256 * 64
+  assert c["total"] == total == 162_240
+  assert c["non_embedding"] == total - 256 * 64
+  tied = param_counts(dataclasses.replace(LLAMA, tie_embeddings=True))
+  assert tied["head"] == 0 and tied["total"] == total - 256 * 64
+  assert tied["non_embedding"] == total - 2 * 256 * 64
+
+
+def test_num_layers_override_and_missing_vocab():
+  assert param_counts(LLAMA, num_layers=6)["total"] - param_counts(LLAMA)["total"] == \
+      3 * param_counts(LLAMA)["per_layer"]
+  with pytest.raises(ConfigError, match="with_vocab"):
+    param_counts(ModelConfig(vocab_size=None))
+
+
+def test_train_flops_by_hand():
+  seq = 1024
+  n = 12 * (4 * 768 * 768 + 2 * 768 * 3072) + 768 * 50257  # tied head still multiplies
+  assert matmul_params(GPT2_SMALL) == n
+  assert train_flops_per_token(GPT2_SMALL, seq) == 6 * n + 12 * 12 * seq * 12 * 64
+  assert forward_flops_per_token(GPT2_SMALL, seq) == pytest.approx(train_flops_per_token(GPT2_SMALL, seq) / 3)
+  # GQA shrinks k and v, but attention scores are still over all query heads.
+  llama_n = 3 * (64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 160) + 64 * 256
+  assert train_flops_per_token(LLAMA, 128) == 6 * llama_n + 12 * 3 * 128 * 4 * 16
+
+
+def test_train_flops_scaling():
+  f = lambda seq, layers=None: train_flops_per_token(LLAMA, seq, num_layers=layers)
+  # Linear in sequence length with slope 12 * L * H * hd; the parameter part does not depend on it.
+  assert f(256) - f(128) == pytest.approx(12 * 3 * 128 * 64)
+  assert f(128) - 12 * 3 * 128 * 64 == pytest.approx(6 * matmul_params(LLAMA))
+  # Each layer adds the same amount; the head's cost is paid once.
+  per_layer = f(128, 4) - f(128, 3)
+  assert f(128, 9) - f(128, 3) == pytest.approx(6 * per_layer)
+  assert f(128, 3) == f(128)
+  assert f(128, 3) - 3 * per_layer == pytest.approx(6 * 64 * 256)
+  # Long-context check: at short length 6N dominates; at seq = 6N/(12 L H hd) attention equals it.
+  seq_equal = 6 * matmul_params(LLAMA) / (12 * 3 * 4 * 16)
+  assert f(int(seq_equal)) == pytest.approx(2 * 6 * matmul_params(LLAMA), rel=1e-3)
