@@ -51,7 +51,7 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
     (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(aux, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
+    metrics = dict(aux, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return train_step

@@ -1,0 +1,1 @@
+"""Data: vocabularies, the built-in corpus, document sources and seqio tasks."""

@@ -1,0 +1,45 @@
+"""Test setup: 8 simulated CPU devices for the whole session, and a tiny run config.
+
+XLA_FLAGS must be set before jax is first imported, hence here. Single-device tests pass
+devices=jax.devices()[:1] explicitly.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+
+from midas_jax import configs  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_model(**overrides) -> configs.ModelConfig:
+  base = dict(family="llama", d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64,
+              max_seq_len=128, dtype="float32")
+  base.update(overrides)
+  return configs.ModelConfig(**base)
+
+
+def tiny_run(model=None, mesh=None, optimizer=None, data=None, trainer=None) -> configs.RunConfig:
+  return configs.RunConfig(
+      model=model or tiny_model(),
+      mesh=mesh or configs.MeshConfig(),
+      optimizer=optimizer or configs.OptimizerConfig(learning_rate=3e-3, warmup_steps=2),
+      data=data or configs.DataConfig(seq_len=32, batch_size=8),
+      trainer=trainer or configs.TrainerConfig(num_steps=4, log_every=2, eval_every=2, eval_batches=1,
+                                               progress_bar=False, peak_flops_per_device=1e11),
+  )
+
+
+def replace(cfg, **kw):
+  return dataclasses.replace(cfg, **kw)
+
+
+@pytest.fixture
+def repo_root():
+  return REPO_ROOT

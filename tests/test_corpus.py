@@ -1,0 +1,209 @@
+"""The built-in corpus: determinism, sizes, mixture, disjoint splits, and answers that are right."""
+
+import collections
+import re
+import time
+
+import pytest
+
+from midas_jax.data import corpus
+from midas_jax.data.corpus import ATTRIBUTES, MIXTURE, SIZES, documents, question, world
+
+
+def _of_kind(split, kind, seed=0):
+  return [d.text for d in documents(split, seed) if d.kind == kind]
+
+
+def test_generation_is_fast_and_deterministic():
+  before = {s: documents(s) for s in corpus.SPLITS}
+  corpus._documents.cache_clear()
+  corpus.world.cache_clear()
+  start = time.perf_counter()
+  after = {s: documents(s) for s in corpus.SPLITS}
+  elapsed = time.perf_counter() - start
+  assert after == before  # regenerated from scratch, not served from the cache
+  assert elapsed < 5.0, f"generating both splits took {elapsed:.1f} s (budget about 2 s)"
+
+
+def test_seeds_differ():
+  assert world(1).entities != world(0).entities
+  texts0 = {d.text for d in documents("validation", 0)}
+  texts1 = {d.text for d in documents("validation", 1)}
+  assert len(texts0 & texts1) < 10  # a few short copy/assignment lines could coincide; documents don't
+
+
+def test_documents_returns_a_fresh_list():
+  docs = documents("validation")
+  docs.clear()
+  assert len(documents("validation")) == SIZES["validation"]
+
+
+def test_unknown_split():
+  with pytest.raises(ValueError, match="unknown split"):
+    documents("test")
+
+
+@pytest.mark.parametrize("split", corpus.SPLITS)
+def test_sizes_and_mixture(split):
+  docs = documents(split)
+  assert len(docs) == SIZES[split]
+  counts = collections.Counter(d.kind for d in docs)
+  assert set(counts) == {k for k, _ in MIXTURE}
+  for kind, share in MIXTURE:
+    assert abs(counts[kind] / len(docs) - share) < 0.01, (kind, counts[kind])
+  mean_bytes = sum(len(d.text.encode()) for d in docs) / len(docs)
+  assert 150 < mean_bytes < 500
+  # Shuffled, not grouped by kind: every kind shows up in the first 100 documents.
+  assert {d.kind for d in docs[:100]} == set(counts)
+
+
+@pytest.mark.parametrize("split", corpus.SPLITS)
+def test_no_blank_lines_and_no_repeats(split):
+  texts = [d.text for d in documents(split)]
+  assert len(set(texts)) == len(texts)
+  for text in texts:
+    assert text == text.strip() and text
+    assert all(line.strip() for line in text.split("\n")), repr(text)
+
+
+def test_validation_disjoint_from_train():
+  train = {d.text for d in documents("train")}
+  assert not any(d.text in train for d in documents("validation"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Facts
+
+def _statements(text):
+  """The statement sentences of a facts document (question lines excluded)."""
+  lines = [line for line in text.split("\n") if not line.startswith("Q: ")]
+  return [s for line in lines for s in re.split(r"(?<=\.) ", line)]
+
+
+def test_world_shape():
+  w = world(0)
+  assert len(w.entities) == len(set(w.entities)) == corpus.NUM_ENTITIES
+  assert len(w.facts) == len(w.entities) * len(ATTRIBUTES)
+  assert {(f.entity, f.attribute) for f in w.facts} == {(e, a) for e in w.entities for a in ATTRIBUTES}
+  for f in w.facts:
+    assert f.value in w.choices[f.attribute] and w.value(f.entity, f.attribute) == f.value
+  assert not set(w.entities) & set(w.choices["city"])
+
+
+def test_facts_are_true_and_every_fact_is_taught():
+  w = world(0)
+  names = set(w.entities)
+  facts_of = collections.defaultdict(list)
+  for f in w.facts:
+    facts_of[f.entity].append(f)
+  taught = set()
+  for split in corpus.SPLITS:
+    for text in _of_kind(split, "facts"):
+      for sentence in _statements(text):
+        words = set(re.findall(r"[A-Za-z0-9]+", sentence))
+        (entity,) = words & names  # one person per sentence
+        true = [f for f in facts_of[entity] if f.value in words]
+        assert true, sentence
+        if split == "train":
+          taught.update(true)
+  assert taught == set(w.facts)
+
+
+def test_questions_have_the_worlds_answers():
+  w = world(0)
+  answers = {question(f.entity, f.attribute): f.value for f in w.facts}
+  asked = 0
+  for text in _of_kind("train", "facts"):
+    for line in text.split("\n"):
+      if line.startswith("Q: "):
+        prompt, answer = line.rsplit(" ", 1)
+        assert answers[prompt] + "." == answer
+        asked += 1
+  assert asked > 1000
+
+
+def test_validation_facts_use_held_out_templates():
+  train_sentences = {s for t in _of_kind("train", "facts") for s in _statements(t)}
+  val_sentences = [s for t in _of_kind("validation", "facts") for s in _statements(t)]
+  assert val_sentences and not any(s in train_sentences for s in val_sentences)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reasoning
+
+def _evaluate_assignment(line):
+  """Runs `a=5; b=a; print b -> 5`; returns (printed value, claimed value, chain depth)."""
+  *statements, final = line.split("; ")
+  env, depth = {}, {}
+  for statement in statements:
+    name, expr = statement.split("=")
+    env[name], depth[name] = (int(expr), 0) if expr.isdigit() else (env[expr], depth[expr] + 1)
+  target, claimed = re.fullmatch(r"print (\w) -> (\d+)", final).groups()
+  return env[target], int(claimed), depth[target]
+
+
+@pytest.mark.parametrize("split", corpus.SPLITS)
+def test_assignment_chains_resolve(split):
+  depths = collections.Counter()
+  for text in _of_kind(split, "assignment"):
+    for line in text.split("\n"):
+      value, claimed, depth = _evaluate_assignment(line)
+      assert value == claimed, line
+      depths[depth] += 1
+  assert set(depths) == {0, 1, 2} and min(depths.values()) > 0.25 * sum(depths.values())
+
+
+def _solve_word_problem(problem):
+  """Computes the answer from the words alone (the numbers and the verbs), not from the worked part."""
+  a, b, *rest = [int(n) for n in re.findall(r"\d+", problem)]
+  if "loses" in problem:
+    return a + b - rest[0]
+  if "gives" in problem:
+    return a - b
+  if "bags with" in problem:
+    return a * b
+  return a + b
+
+
+@pytest.mark.parametrize("split", corpus.SPLITS)
+def test_arithmetic_answers_are_correct(split):
+  ops = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
+  for text in _of_kind(split, "arithmetic"):
+    for line in text.split("\n"):
+      problem = line[:line.index(". ") + 1]
+      equations = re.findall(r"(\d+) ([-+*]) (\d+) = (\d+)", line)
+      answer = int(re.fullmatch(r".*\. Answer: (\d+)", line).group(1))
+      assert equations, line
+      for x, op, y, z in equations:
+        assert ops[op](int(x), int(y)) == int(z), line
+      assert int(equations[-1][3]) == answer == _solve_word_problem(problem), line
+      assert answer >= 0
+
+
+@pytest.mark.parametrize("split", corpus.SPLITS)
+def test_copies_are_exact(split):
+  lengths = set()
+  for text in _of_kind(split, "copy"):
+    for line in text.split("\n"):
+      sequence, rest = line.split(" | ")
+      instruction, copy = rest.split(": ")
+      assert copy == sequence and " " not in sequence and instruction
+      lengths.add(len(sequence))
+  assert min(lengths) <= 5 and max(lengths) >= 15
+
+
+def test_stories_are_stories():
+  stories = _of_kind("train", "story")
+  assert len(set(stories)) == len(stories)
+  for text in stories[:500]:
+    assert text.count(". ") >= 5 and text.endswith((".", '!"'))
+  # Varied: many distinct opening-plus-second sentences.
+  assert len({re.split(r"(?<=\.) ", t)[1] for t in stories}) > 100
+
+
+def test_write_text_files_round_trip(tmp_path):
+  paths = corpus.write_text_files(str(tmp_path / "corpus"))
+  assert set(paths) == set(corpus.SPLITS)
+  for split, path in paths.items():
+    with open(path, encoding="utf-8") as f:
+      assert f.read().rstrip("\n").split("\n\n") == [d.text for d in documents(split)]

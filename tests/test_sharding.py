@@ -1,0 +1,79 @@
+"""Meshes from gin/meshes/: state created sharded, and the same losses on 1 device and on 8."""
+
+import os
+
+import gin
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT, tiny_model, tiny_run
+from midas_jax import configs, gin_config, sharding
+from midas_jax.errors import ConfigError
+from midas_jax.train.experiment import build_experiment
+
+
+def mesh_from_gin(name: str) -> configs.MeshConfig:
+  gin_config.parse([os.path.join(REPO_ROOT, "gin", "meshes", name)], [])
+  try:
+    return configs.MeshConfig()
+  finally:
+    gin.clear_config()
+
+
+def run_steps(config, devices, steps=3):
+  exp = build_experiment(config, devices=devices)
+  state = exp.init_state()
+  losses = []
+  with exp.context():
+    step_fn = exp.jit_train_step()
+    for s in range(steps):
+      state, metrics = step_fn(state, exp.device_batch(s))
+      losses.append(float(metrics["loss"]))
+  return exp, state, losses
+
+
+@pytest.mark.parametrize("mesh_file", ["data_parallel.gin", "fsdp.gin", "tensor.gin"])
+def test_same_losses_on_one_and_eight_devices(mesh_file):
+  mesh_cfg = mesh_from_gin(mesh_file)
+  config = tiny_run(model=tiny_model(num_heads=4, num_kv_heads=2), mesh=mesh_cfg)
+  exp8, state8, losses8 = run_steps(config, jax.devices())
+  assert exp8.mesh.devices.size == 8
+  single = tiny_run(model=config.model, mesh=configs.MeshConfig())
+  _, state1, losses1 = run_steps(single, jax.devices()[:1])
+  np.testing.assert_allclose(losses8, losses1, rtol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
+               state8.params, state1.params)
+
+
+def test_state_is_created_sharded_by_the_rules():
+  config = tiny_run(mesh=mesh_from_gin("fsdp.gin"))
+  exp = build_experiment(config)
+  state = exp.init_state()
+  query = state.params["layers"]["attn"]["query"]  # [layers, embed, heads, kv]
+  assert query.sharding.spec[1] == "fsdp"
+  assert query.addressable_shards[0].data.shape == (2, 32 // 8, 4, 8)  # embed split 8 ways
+  mu = state.opt_state[1][0].mu["layers"]["attn"]["query"]  # clip, then adamw's scale_by_adam
+  assert mu.sharding == query.sharding
+  tensor = build_experiment(tiny_run(mesh=mesh_from_gin("tensor.gin")))
+  gate = tensor.init_state().params["layers"]["mlp"]["gate"]
+  assert gate.sharding.spec[2] == "tensor"
+  assert gate.addressable_shards[0].data.shape == (2, 32, 64 // 2)  # mlp split over tensor=2
+
+
+def test_mesh_shape_resolution_and_errors():
+  assert sharding.resolve_mesh_shape(configs.MeshConfig(data=-1, fsdp=2, tensor=2), 8) == (2, 2, 2)
+  with pytest.raises(ConfigError, match="needs 16 devices but 8"):
+    sharding.resolve_mesh_shape(configs.MeshConfig(data=4, fsdp=2, tensor=2), 8)
+  with pytest.raises(ConfigError, match="do not divide"):
+    sharding.resolve_mesh_shape(configs.MeshConfig(data=-1, tensor=3), 8)
+  with pytest.raises(ConfigError, match="layers"):
+    configs.MeshConfig(rules=(("layers", "data"),))
+
+
+def test_shapes_that_do_not_divide_the_mesh_are_refused_before_compiling():
+  with pytest.raises(ConfigError, match="ModelConfig.num_kv_heads"):
+    build_experiment(tiny_run(model=tiny_model(num_heads=4, num_kv_heads=1),
+                              mesh=configs.MeshConfig(data=-1, tensor=2)))
+  with pytest.raises(ConfigError, match="DataConfig.batch_size"):
+    build_experiment(tiny_run(data=configs.DataConfig(seq_len=32, batch_size=12)))

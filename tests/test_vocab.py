@@ -1,0 +1,145 @@
+"""Vocabularies: id layout, round trips, sentinels, SentencePiece training, parity with seqio."""
+
+import importlib.util
+
+import pytest
+import sentencepiece
+from hypothesis import given, settings, strategies as st
+
+from midas_jax.configs import DataConfig
+from midas_jax.data import corpus
+from midas_jax.data.vocab import (ByteVocabulary, SentencePieceVocabulary, make_vocabulary,
+                                  train_sentencepiece)
+from midas_jax.errors import ConfigError
+
+TEXTS = ["", "hello world", "héllo wörld — 日本語 🙂", "tab\tand\nnewline", "\x00\x7f\xff"]
+needs_seqio = pytest.mark.skipif(importlib.util.find_spec("seqio") is None,
+                                 reason="seqio is an optional extra")
+
+
+def test_byte_layout_matches_utf8_plus_three():
+  v = ByteVocabulary()
+  assert (v.pad_id, v.eos_id, v.unk_id, v.extra_ids, v.vocab_size) == (0, 1, 2, 128, 387)
+  assert v.encode("Aé") == [0x41 + 3, 0xC3 + 3, 0xA9 + 3]
+  assert v.encode("") == []
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_round_trip(text):
+  v = ByteVocabulary()
+  ids = v.encode(text)
+  assert all(3 <= i < 259 for i in ids)
+  assert v.decode(ids) == text
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8")))
+def test_byte_round_trip_any_text(text):
+  v = ByteVocabulary(extra_ids=7)
+  assert v.decode(v.encode(text)) == text
+
+
+def test_byte_decode_skips_specials_sentinels_and_out_of_range_ids():
+  v = ByteVocabulary(extra_ids=4)
+  ids = [0, *v.encode("ab"), 1, v.extra_id(0), 2, *v.encode("c"), v.vocab_size + 5, 0]
+  assert v.decode(ids) == "abc"
+  assert v.decode([0xFF + 3, *v.encode("x")]) == "\ufffdx"  # a lone 0xff byte is not UTF-8
+
+
+def test_extra_ids_count_down_from_the_top():
+  v = ByteVocabulary(extra_ids=128)
+  assert v.extra_id(0) == v.vocab_size - 1 == 386
+  assert v.extra_id(127) == 259  # the first id after the bytes
+  assert len({v.extra_id(i) for i in range(128)}) == 128
+  with pytest.raises(IndexError):
+    v.extra_id(128)
+  with pytest.raises(IndexError):
+    ByteVocabulary(extra_ids=0).extra_id(0)
+  assert ByteVocabulary(extra_ids=0).vocab_size == 259
+
+
+def test_negative_extra_ids_name_the_setting():
+  with pytest.raises(ConfigError) as e:
+    make_vocabulary(DataConfig(extra_ids=-1))
+  assert e.value.setting == "DataConfig.extra_ids"
+
+
+@needs_seqio
+@pytest.mark.parametrize("extra_ids", [0, 128])
+def test_byte_ids_equal_seqio(extra_ids):
+  ours = ByteVocabulary(extra_ids)
+  theirs = ours.to_seqio()
+  assert theirs.vocab_size == ours.vocab_size
+  assert (theirs.pad_id, theirs.eos_id, theirs.unk_id) == (ours.pad_id, ours.eos_id, ours.unk_id)
+  for text in TEXTS + [d.text for d in corpus.documents("validation")[:20]]:
+    assert list(theirs.encode(text)) == ours.encode(text)
+    assert theirs.decode(ours.encode(text)) == text
+
+
+# ---------------------------------------------------------------------------------------------
+# SentencePiece
+
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+  d = tmp_path_factory.mktemp("spm")
+  text = d / "train.txt"
+  lines = [doc.text for doc in corpus.documents("validation")[:300]] + ["naïve café"]
+  text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+  return train_sentencepiece([str(text)], str(d / "m"), vocab_size=400, hard_vocab_limit=False)
+
+
+def test_train_sentencepiece_writes_our_layout(spm_model):
+  p = sentencepiece.SentencePieceProcessor(model_file=spm_model)
+  assert spm_model.endswith(".model")
+  assert (p.pad_id(), p.eos_id(), p.unk_id(), p.bos_id()) == (0, 1, 2, -1)
+
+
+def test_sentencepiece_vocab_round_trip_and_sentinels(spm_model):
+  v = SentencePieceVocabulary(spm_model, extra_ids=10)
+  pieces = sentencepiece.SentencePieceProcessor(model_file=spm_model).GetPieceSize()
+  assert v.vocab_size == pieces + 10 and (v.pad_id, v.eos_id, v.unk_id) == (0, 1, 2)
+  assert v.extra_id(0) == v.vocab_size - 1 and v.extra_id(9) == pieces
+  # Lossless: newlines, runs of spaces, tabs and characters never seen in training come back.
+  docs = [d.text for d in corpus.documents("validation")[:20]]
+  for text in TEXTS[1:] + ["  two  spaces\r\n", "naïve café"] + docs:
+    ids = v.encode(text)
+    assert ids and max(ids) < pieces and min(ids) >= 3
+    assert v.decode(ids) == text
+    assert v.decode([0, v.extra_id(3), *ids, 1, v.extra_id(0), 0]) == text
+
+
+@needs_seqio
+def test_sentencepiece_ids_equal_seqio(spm_model):
+  ours = SentencePieceVocabulary(spm_model, extra_ids=10)
+  theirs = ours.to_seqio()
+  assert theirs.vocab_size == ours.vocab_size
+  # seqio names its sentinels as pieces; the same ids must carry them.
+  assert theirs.tokenizer.piece_to_id("▁<extra_id_0>") == ours.extra_id(0)
+  assert theirs.tokenizer.piece_to_id("▁<extra_id_9>") == ours.extra_id(9)
+  for text in TEXTS + [d.text for d in corpus.documents("validation")[:20]]:
+    assert list(theirs.encode(text)) == ours.encode(text)
+
+
+def test_sentencepiece_model_with_another_layout_is_rejected(tmp_path, spm_model):
+  text = tmp_path / "t.txt"
+  text.write_text("\n".join(d.text for d in corpus.documents("validation")[:100]), encoding="utf-8")
+  sentencepiece.SentencePieceTrainer.Train(input=str(text), model_prefix=str(tmp_path / "std"),
+                                          vocab_size=200, hard_vocab_limit=False, minloglevel=2)
+  with pytest.raises(ConfigError) as e:  # spm defaults: unk 0, bos 1, eos 2
+    SentencePieceVocabulary(str(tmp_path / "std.model"))
+  assert e.value.setting == "DataConfig.spm_model" and "(0, 1, 2)" in str(e.value)
+
+
+def test_make_vocabulary(tmp_path, spm_model):
+  byte = make_vocabulary(DataConfig(extra_ids=16))
+  assert isinstance(byte, ByteVocabulary) and byte.vocab_size == 259 + 16
+  spm = make_vocabulary(DataConfig(vocab="sentencepiece", spm_model=spm_model, extra_ids=5))
+  assert isinstance(spm, SentencePieceVocabulary) and spm.extra_ids == 5
+  with pytest.raises(ConfigError) as e:
+    make_vocabulary(DataConfig(vocab="sentencepiece", spm_model=str(tmp_path / "missing.model")))
+  assert e.value.setting == "DataConfig.spm_model" and "missing.model" in e.value.problem
+  junk = tmp_path / "junk.model"
+  junk.write_bytes(b"not a model")
+  with pytest.raises(ConfigError) as e:
+    make_vocabulary(DataConfig(vocab="sentencepiece", spm_model=str(junk)))
+  assert e.value.setting == "DataConfig.spm_model"
