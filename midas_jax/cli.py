@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
@@ -76,8 +77,22 @@ def _load_run_config(gin_files, bindings):
   return gin_config.run_config_from_gin(), gin_config
 
 
+def enable_compilation_cache() -> None:
+  """Persistent XLA compilation cache, so a re-run (or a resumed run) reuses its compiles.
+
+  MIDAS_JAX_CACHE_DIR picks the folder; set it to "off" to disable.
+  """
+  path = os.environ.get("MIDAS_JAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "midas_jax", "xla"))
+  if path == "off":
+    return
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def _train(args, bindings) -> int:
   from midas_jax.train.loop import train  # pylint: disable=import-outside-toplevel
+  enable_compilation_cache()
   config, gin_config = _load_run_config(args.gin_file, bindings)
   result = train(config, args.workdir, operative_config=gin_config.operative_config())
   print(json.dumps({"steps": result.steps, "final_loss": result.final_loss,

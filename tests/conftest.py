@@ -43,3 +43,11 @@ def replace(cfg, **kw):
 @pytest.fixture
 def repo_root():
   return REPO_ROOT
+
+
+def pytest_configure(config):
+  # Identical programs compiled by several tests (each run re-jits its step) are compiled once.
+  import jax  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="midas_jax_test_cache_"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -1,0 +1,26 @@
+# Convenience targets; each is also a plain command in README.md.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+WORKDIR ?= runs/cpu_demo
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[data,test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/midas train --gin_file=gin/experiments/cpu_demo.gin --workdir=$(WORKDIR)
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(VENV)/bin/midas bench train --gin_file=gin/experiments/bench_cpu.gin
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
