@@ -18,7 +18,7 @@ import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from midas_jax.errors import ConfigError
+from midas_jax.errors import ConfigError, NonFiniteLossError
 
 
 def split_gin_bindings(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -139,6 +139,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except ConfigError as e:
     print(f"midas: error: {e}", file=sys.stderr)
     return 2
+  except NonFiniteLossError as e:
+    print(f"midas: training stopped: {e}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

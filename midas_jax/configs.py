@@ -194,6 +194,12 @@ class OptimizerConfig:
             "0.1 is a common choice")
     require(self.grad_clip_norm is None or self.grad_clip_norm > 0, s + "grad_clip_norm",
             "must be > 0 or None", "use None to turn clipping off")
+    for name in ("b1", "b2"):
+      require(0 <= getattr(self, name) < 1, s + name, f"must be in [0, 1), got {getattr(self, name)}",
+              "typical: b1 = 0.9, b2 = 0.95 to 0.999 (1.0 divides by zero in Adam's bias correction)")
+    require(self.eps > 0, s + "eps", f"must be > 0, got {self.eps}", "1e-8 is the usual value")
+    require(self.weight_decay >= 0, s + "weight_decay", f"must be >= 0, got {self.weight_decay}",
+            "0 turns weight decay off; 0.1 is common")
     require(self.z_loss >= 0, s + "z_loss", "must be >= 0", "1e-4 is the t5x default; 0 turns it off")
 
 
@@ -235,6 +241,9 @@ class DataConfig:
             "source='text' needs training files", "set DataConfig.train_files = ['path/*.txt']")
     require(self.seq_len >= 8, s + "seq_len", f"must be >= 8, got {self.seq_len}", "typical: 256 to 8192")
     require(self.batch_size > 0, s + "batch_size", "must be > 0", "set a positive global batch size")
+    require(self.seed >= 0, s + "seed", f"must be >= 0, got {self.seed}", "use a non-negative integer")
+    require(self.extra_ids >= 0, s + "extra_ids", f"must be >= 0, got {self.extra_ids}",
+            "128 leaves room for span-corruption sentinels and mode tokens")
     require(2 <= self.min_chunk <= self.seq_len, s + "min_chunk", "must be in [2, seq_len]",
             "16 is the default")
 

@@ -17,3 +17,7 @@ class ConfigError(ValueError):
 def require(condition: bool, setting: str, problem: str, fix: str) -> None:
   if not condition:
     raise ConfigError(setting, problem, fix)
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss became NaN or inf; the state of that step is never handed to the checkpointer."""

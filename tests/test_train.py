@@ -71,3 +71,19 @@ def test_unwritable_workdir_is_refused(tmp_path):
   blocker.write_text("not a directory")
   with pytest.raises(ConfigError, match="--workdir"):
     loop.train(tiny_run(), str(blocker / "run"))
+
+
+def test_trains_on_local_text_files_with_a_sentencepiece_vocabulary(tmp_path):
+  from midas_jax.data import corpus, vocab  # pylint: disable=import-outside-toplevel
+  paths = corpus.write_text_files(str(tmp_path / "data"))
+  spm = vocab.train_sentencepiece([paths["train"]], str(tmp_path / "spm"), vocab_size=600,
+                                 input_sentence_size=5000, shuffle_input_sentence=True)
+  data = configs.DataConfig(source="text", train_files=(paths["train"],), eval_files=(paths["validation"],),
+                            vocab="sentencepiece", spm_model=spm, seq_len=32, batch_size=8)
+  config = tiny_run(data=data, trainer=configs.TrainerConfig(
+      num_steps=20, log_every=10, eval_every=20, eval_batches=1, progress_bar=False,
+      peak_flops_per_device=1e11))
+  loop.train(config, str(tmp_path / "run"))
+  rows = read_metrics(str(tmp_path / "run"), "train")
+  assert json.load(open(tmp_path / "run" / "config.json"))["model"]["vocab_size"] == 768  # 600 + 128 extra
+  assert rows[-1]["loss"] < rows[0]["loss"]

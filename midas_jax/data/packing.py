@@ -41,6 +41,8 @@ def pack_row(examples: Sequence[Example], seq_len: int) -> Dict[str, np.ndarray]
   start = 0
   for segment, ex in enumerate(examples, start=1):
     n = len(ex.tokens)
+    if not 0 <= ex.prefix_len <= n:
+      raise ValueError(f"prefix_len {ex.prefix_len} is outside [0, {n}] for an example of {n} tokens")
     end = start + n
     if end > seq_len:
       raise ValueError(f"examples need {end} tokens, more than the row length {seq_len}")
@@ -50,7 +52,7 @@ def pack_row(examples: Sequence[Example], seq_len: int) -> Dict[str, np.ndarray]
     row["positions"][span] = np.arange(n)
     row["segment_ids"][span] = segment
     if ex.prefix_len > 0:
-      row["prefix_mask"][start:start + ex.prefix_len + 1] = True
+      row["prefix_mask"][start:min(start + ex.prefix_len + 1, end)] = True  # never past the segment
     row["loss_weights"][start + ex.prefix_len:end] = 1.0
     row["objective_ids"][span] = ex.objective_id
     start = end

@@ -15,15 +15,11 @@ import numpy as np
 from midas_jax import flops
 from midas_jax.bench.peak import peak_flops_per_device
 from midas_jax.configs import RunConfig
-from midas_jax.errors import ConfigError
+from midas_jax.errors import ConfigError, NonFiniteLossError
 from midas_jax.train.experiment import Experiment, build_experiment
 from midas_jax.train.metrics import MetricWriter, Progress
 from midas_jax.train.state import TrainState
 from midas_jax.train.step import per_objective_losses
-
-
-class NonFiniteLossError(RuntimeError):
-  """The loss became NaN or inf; the state of that step is never handed to the checkpointer."""
 
 
 class Checkpointer(Protocol):
@@ -128,7 +124,7 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
         done = step + 1
         if window_start is None:  # the first step includes compilation: time from its end
           jax.block_until_ready(metrics["loss"])
-          window_start, window_step, pending = time.time(), done, [metrics]
+          window_start, window_step = time.time(), done
         if done % trainer.log_every and done != trainer.num_steps:
           continue
         fetched = jax.device_get(pending)

@@ -55,7 +55,9 @@ def make_optimizer(cfg: OptimizerConfig, num_steps: int) -> optax.GradientTransf
   if cfg.name == "adamw":
     opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)
   else:
-    opt = optax.adafactor(schedule, weight_decay_rate=cfg.weight_decay or None, weight_decay_mask=mask)
+    # optax adds weight_decay_rate * param after the lr scaling: scale it by the schedule, as AdamW does.
+    wd = (lambda step: cfg.weight_decay * schedule(step)) if cfg.weight_decay else None
+    opt = optax.adafactor(schedule, weight_decay_rate=wd, weight_decay_mask=mask)
   if cfg.grad_clip_norm is None:
     return opt
   return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), opt)

@@ -1,0 +1,222 @@
+"""Step-addressed batches over the built-in corpus (DESIGN.md, decision 5)."""
+
+import numpy as np
+import pytest
+
+from midas_jax.configs import DataConfig
+from midas_jax.data import corpus, sources
+from midas_jax.data.packing import FIELD_DTYPES, FIELDS, packing_efficiency
+from midas_jax.data.pipeline import CausalLMPipeline, tokenize_documents
+from midas_jax.data.vocab import ByteVocabulary
+from midas_jax.errors import ConfigError
+
+SPLITS = ("train", "validation")
+EOS = ByteVocabulary.eos_id
+DOC_SEP = b"\xfe"  # never in UTF-8, so never in an encoded segment
+
+
+def load(config):
+  vocab = ByteVocabulary(config.extra_ids)
+  return {s: tokenize_documents(sources.load_documents(config, s), vocab) for s in SPLITS}
+
+
+@pytest.fixture(scope="module")
+def documents():
+  return load(DataConfig())
+
+
+def to_bytes(tokens):
+  """Byte ids 3..258 -> their byte, EOS -> 0xff (not UTF-8 either), so token windows are byte windows."""
+  tokens = np.asarray(tokens)
+  assert np.all((tokens == EOS) | ((tokens >= 3) & (tokens < 259)))
+  return np.where(tokens == EOS, 0xFF, tokens - 3).astype(np.uint8).tobytes()
+
+
+class DocumentIndex:
+  """Answers: is this token sequence a whole document, or a contiguous window of one, of a split?"""
+
+  def __init__(self, docs):
+    encoded = [to_bytes(d) for d in docs]
+    assert not any(DOC_SEP in e for e in encoded)
+    self.whole = set(encoded)
+    self.joined = DOC_SEP.join(encoded)
+
+  def is_document(self, tokens):
+    return to_bytes(tokens) in self.whole
+
+  def is_window(self, tokens):
+    return to_bytes(tokens) in self.joined
+
+
+@pytest.fixture(scope="module")
+def index(documents):
+  return {s: DocumentIndex(documents[s]) for s in SPLITS}
+
+
+def config(**kw):
+  base = dict(seq_len=128, batch_size=8, seed=0)
+  base.update(kw)
+  return DataConfig(**base)
+
+
+def assert_batches_equal(a, b):
+  assert set(a) == set(b) == set(FIELDS)
+  for f in FIELDS:
+    np.testing.assert_array_equal(a[f], b[f], err_msg=f)
+
+
+def batches_differ(a, b):
+  return not np.array_equal(a["targets"], b["targets"])
+
+
+def segments(batch, row):
+  seg = batch["segment_ids"][row]
+  return [np.flatnonzero(seg == i) for i in range(1, int(seg.max()) + 1)]
+
+
+# --- tokenization --------------------------------------------------------------------------------
+
+def test_tokenize_documents_appends_eos_to_the_byte_ids():
+  docs = tokenize_documents(["ab", "é"], ByteVocabulary())
+  assert [d.tolist() for d in docs] == [[ord("a") + 3, ord("b") + 3, EOS], [0xC3 + 3, 0xA9 + 3, EOS]]
+  assert all(d.dtype == np.int32 for d in docs)
+
+
+def test_the_builtin_corpus_is_what_the_tests_check_against(documents):
+  cfg = DataConfig()
+  assert len(documents["train"]) == corpus.SIZES["train"]
+  assert len(documents["validation"]) == corpus.SIZES["validation"]
+  texts = sources.load_documents(cfg, "train")
+  assert ByteVocabulary().decode(documents["train"][17]) == texts[17]
+
+
+# --- addressing by step --------------------------------------------------------------------------
+
+def test_batch_is_a_pure_function_of_config_seed_and_step(documents):
+  cfg = config()
+  first = CausalLMPipeline(cfg, documents)
+  second = CausalLMPipeline(cfg, load(DataConfig()))  # built from scratch, documents included
+  for step in (0, 1, 7, 1234):
+    for split in SPLITS:
+      assert_batches_equal(first.batch(step, split), second.batch(step, split))
+  a = first.batch(3)
+  assert batches_differ(a, first.batch(4))
+  assert batches_differ(a, CausalLMPipeline(config(seed=1), documents).batch(3))
+  assert batches_differ(a, first.batch(3, "validation"))
+  # Every row of a step differs from every other (rows have their own streams).
+  rows = {to_bytes(r[r > 0]) for r in a["targets"]}
+  assert len(rows) == cfg.batch_size
+
+
+def test_batch_shapes_and_dtypes(documents):
+  cfg = config()
+  batch = CausalLMPipeline(cfg, documents).batch(5)
+  for f in FIELDS:
+    assert batch[f].shape == (cfg.batch_size, cfg.seq_len) and batch[f].dtype == FIELD_DTYPES[f], f
+
+
+@pytest.mark.parametrize("process_count", [2, 4])
+def test_process_slices_concatenate_to_the_one_process_batch(documents, process_count):
+  pipeline = CausalLMPipeline(config(), documents)
+  for step in (0, 9):
+    for split in SPLITS:
+      whole = pipeline.batch(step, split)
+      # Each process builds its slice with its own pipeline object, as on a real multi-host run.
+      parts = [CausalLMPipeline(config(), documents).batch(step, split, p, process_count)
+               for p in range(process_count)]
+      for part in parts:
+        assert part["targets"].shape[0] == 8 // process_count
+      assert_batches_equal({f: np.concatenate([p[f] for p in parts]) for f in FIELDS}, whole)
+
+
+def test_resume_at_a_step_equals_the_uninterrupted_sequence(documents):
+  cfg = config()
+  uninterrupted = CausalLMPipeline(cfg, documents)
+  sequence = [uninterrupted.batch(s) for s in range(8)]
+  resumed = CausalLMPipeline(cfg, documents)
+  for s in (5, 6, 7):
+    assert_batches_equal(resumed.batch(s), sequence[s])
+  # Out of order and repeated asks change nothing either.
+  assert_batches_equal(resumed.batch(2), sequence[2])
+  assert_batches_equal(resumed.batch(5), sequence[5])
+
+
+def test_process_count_is_checked(documents):
+  pipeline = CausalLMPipeline(config(batch_size=6), documents)
+  with pytest.raises(ConfigError) as info:
+    pipeline.batch(0, process_count=4)
+  assert info.value.setting == "DataConfig.batch_size"
+  pipeline.batch(0, process_count=3)  # 6 = 3 * 2 is fine
+
+
+def test_empty_split_is_a_config_error(documents):
+  with pytest.raises(ConfigError):
+    CausalLMPipeline(config(), {"train": documents["train"], "validation": []})
+
+
+# --- what the rows hold --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seq_len,min_chunk", [(256, 16), (64, 16), (512, 4)])
+def test_segments_are_documents_or_windows_of_one(documents, index, seq_len, min_chunk):
+  cfg = config(seq_len=seq_len, min_chunk=min_chunk)
+  pipeline = CausalLMPipeline(cfg, documents)
+  windows = 0
+  for step in range(3):
+    batch = pipeline.batch(step)
+    assert batch["targets"].shape == (cfg.batch_size, seq_len)
+    for r in range(cfg.batch_size):
+      real = batch["segment_ids"][r] > 0
+      used = int(real.sum())
+      np.testing.assert_array_equal(real, np.arange(seq_len) < used)  # padding only at the end
+      assert seq_len - used < min_chunk  # rows are filled until fewer than min_chunk slots remain
+      segs = segments(batch, r)
+      for i, where in enumerate(segs):
+        tokens = batch["targets"][r, where]
+        np.testing.assert_array_equal(batch["positions"][r, where], np.arange(where.size))
+        assert batch["inputs"][r, where[0]] == 0
+        np.testing.assert_array_equal(batch["inputs"][r, where[1:]], tokens[:-1])
+        if index["train"].is_document(tokens):
+          continue
+        # Not a whole document: a window of a longer one, cut to fill the row exactly.
+        assert i == len(segs) - 1 and where[-1] == seq_len - 1, (step, r, i)
+        assert index["train"].is_window(tokens), (step, r, i)
+        windows += 1
+      # Causal LM: no prefix, every real token carries loss, objective 0.
+      assert not batch["prefix_mask"][r].any()
+      np.testing.assert_array_equal(batch["loss_weights"][r], real.astype(np.float32))
+      assert not batch["objective_ids"][r].any()
+  assert windows > 0  # the window path was exercised
+
+
+def test_validation_batches_use_only_validation_documents(documents, index):
+  pipeline = CausalLMPipeline(config(seq_len=256), documents)
+  not_in_train = 0
+  for step in range(4):
+    batch = pipeline.batch(step, "validation")
+    for r in range(batch["targets"].shape[0]):
+      for where in segments(batch, r):
+        tokens = batch["targets"][r, where]
+        assert index["validation"].is_window(tokens)
+        not_in_train += not index["train"].is_window(tokens)
+  assert not_in_train > 0
+
+
+def test_splits_are_kept_apart_with_disjoint_token_ranges():
+  # Train documents use ids 3..99 and validation ids 150..249, so any crossing is visible.
+  rng = np.random.default_rng(0)
+  docs = {"train": [rng.integers(3, 100, rng.integers(5, 300)).astype(np.int32) for _ in range(50)],
+          "validation": [rng.integers(150, 250, rng.integers(5, 300)).astype(np.int32) for _ in range(50)]}
+  pipeline = CausalLMPipeline(config(seq_len=128, batch_size=4), docs)
+  for step in range(5):
+    train, val = pipeline.batch(step, "train"), pipeline.batch(step, "validation")
+    t, v = train["targets"][train["segment_ids"] > 0], val["targets"][val["segment_ids"] > 0]
+    assert t.size and v.size
+    assert np.all(t < 100) and np.all(v >= 150)
+
+
+def test_packing_efficiency_of_the_builtin_corpus_at_seq_len_256(documents):
+  cfg = DataConfig(seq_len=256, batch_size=16)
+  pipeline = CausalLMPipeline(cfg, documents)
+  efficiency = np.mean([packing_efficiency(pipeline.batch(s)) for s in range(20)])
+  print(f"packing efficiency over 20 batches of 16 x 256: {efficiency:.4f}")
+  assert efficiency >= 0.95
