@@ -5,10 +5,11 @@ WORKDIR ?= runs/cpu_demo
 
 .PHONY: setup demo test bench clean
 
-$(VENV)/.installed: setup.py
+$(VENV)/.installed: setup.py requirements/t5-reference.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[data,test]"
+	$(PY) -m pip install -q -e ".[data,test]" -r requirements/t5-reference.txt
+	$(PY) -m pip install -q --no-deps t5==0.9.4
 	touch $@
 
 setup: $(VENV)/.installed

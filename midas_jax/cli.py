@@ -2,6 +2,7 @@
 
   midas train --gin_file=F [--gin_file=F2 ...] [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench train --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]
+  midas data sample --gin_file=F --steps=N --out=FILE.jsonl
   midas data write-corpus --out=DIR
   midas data train-spm --files=GLOB [--files=GLOB ...] --vocab_size=N --out=PREFIX
 
@@ -62,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
   corpus = data_sub.add_parser("write-corpus", help="write the built-in corpus as text files")
   corpus.add_argument("--out", required=True)
   corpus.add_argument("--seed", type=int, default=0)
+  sample = data_sub.add_parser("sample", help="write the decoded examples of the first N steps as JSONL")
+  _add_gin_flags(sample)
+  sample.add_argument("--steps", type=int, default=1)
+  sample.add_argument("--split", default="train", choices=("train", "validation"))
+  sample.add_argument("--out", required=True, help="output .jsonl file")
   spm = data_sub.add_parser("train-spm", help="train a SentencePiece model on local text files")
   spm.add_argument("--files", action="append", required=True, help="glob; repeatable")
   spm.add_argument("--vocab_size", type=int, default=8000)
@@ -112,8 +118,23 @@ def _bench(args, bindings) -> int:
   return 0
 
 
+def _data_sample(args, bindings) -> int:
+  from midas_jax.data.samples import sample_records  # pylint: disable=import-outside-toplevel
+  from midas_jax.train.experiment import load_data  # pylint: disable=import-outside-toplevel
+  config, _ = _load_run_config(args.gin_file, bindings)
+  vocab, pipeline = load_data(config)
+  count = 0
+  with open(args.out, "w") as f:
+    for record in sample_records(pipeline, vocab, args.steps, args.split):
+      f.write(json.dumps(record, ensure_ascii=False) + "\n")
+      count += 1
+  print(f"wrote {count} examples from {args.steps} steps to {args.out}")
+  return 0
+
+
 def _data(args, bindings) -> int:
-  del bindings
+  if args.data == "sample":
+    return _data_sample(args, bindings)
   if args.data == "write-corpus":
     from midas_jax.data import corpus  # pylint: disable=import-outside-toplevel
     for split, path in corpus.write_text_files(args.out, seed=args.seed).items():

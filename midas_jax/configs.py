@@ -203,16 +203,25 @@ class OptimizerConfig:
     require(self.z_loss >= 0, s + "z_loss", "must be >= 0", "1e-4 is the t5x default; 0 turns it off")
 
 
-SOURCES = ("builtin", "text")
+SOURCES = ("builtin", "text", "seqio")
 VOCABS = ("byte", "sentencepiece")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Where tokens come from and how they are batched.
+  """Where tokens come from, which objectives are made of them, and how they are batched.
 
   source "builtin": the generated corpus (nothing downloaded); "text": local .txt/.jsonl/.gz files
-  (train_files, eval_files: glob patterns). batch_size is the global number of rows per step.
+  (train_files, eval_files: glob patterns); "seqio": a registered seqio Task (seqio_task), read
+  once into a local token cache of at most max_documents documents per split.
+  batch_size is the global number of rows per step.
+
+  The UL2 mixture: each example is causal LM, prefix LM or span corruption with probabilities
+  causal_rate, prefix_rate, span_rate (summing to 1; the MIDAS paper's 0.6 / 0.2 / 0.2). A span
+  example draws one (mean span length, noise density) pair from span_denoisers uniformly: the
+  default is T5's R-denoiser (3.0, 0.15); gin/objectives/ul2_full.gin sets UL2's R and X set.
+  mode_tokens prepends [NLU] (R), [NLG] (X) or [S2S] (prefix LM) to the inputs, as UL2 does.
+  Sentinels and mode tokens are the top extra ids of the vocabulary (see data/objectives.py).
   """
 
   source: str = "builtin"
@@ -227,9 +236,35 @@ class DataConfig:
   batch_size: int = 16
   seed: int = 0
   min_chunk: int = 16
+  causal_rate: float = 0.6
+  prefix_rate: float = 0.2
+  span_rate: float = 0.2
+  span_denoisers: Tuple[Tuple[float, float], ...] = ((3.0, 0.15),)
+  mode_tokens: bool = False
+  num_sentinels: int = 100
+  seqio_task: Optional[str] = None
+  seqio_train_split: str = "train"
+  seqio_eval_split: str = "validation"
+  max_documents: int = 100_000
+  prefetch: int = 2
 
   def __post_init__(self):
     s = "DataConfig."
+    rates = (self.causal_rate, self.prefix_rate, self.span_rate)
+    require(all(r >= 0 for r in rates) and abs(sum(rates) - 1.0) < 1e-6, s + "causal_rate",
+            f"objective rates causal={rates[0]}, prefix={rates[1]}, span={rates[2]} must be >= 0 and sum to 1",
+            "set DataConfig.causal_rate, prefix_rate and span_rate to add up to 1 (default 0.6 / 0.2 / 0.2)")
+    require(self.span_rate == 0 or len(self.span_denoisers) > 0, s + "span_denoisers",
+            "span_rate > 0 but no span denoisers", "list (mean span length, noise density) pairs")
+    for pair in self.span_denoisers:
+      require(len(pair) == 2 and pair[0] >= 1 and 0 < pair[1] < 1, s + "span_denoisers",
+              f"{pair!r} is not a (mean span length >= 1, 0 < noise density < 1) pair",
+              "write e.g. [(3.0, 0.15), (8.0, 0.5)]")
+    require(self.num_sentinels >= 1, s + "num_sentinels", "must be >= 1", "T5 uses 100")
+    require(self.source != "seqio" or bool(self.seqio_task), s + "seqio_task",
+            "source='seqio' needs a task name", "set DataConfig.seqio_task to a registered seqio Task")
+    require(self.max_documents > 0, s + "max_documents", "must be > 0", "the default is 100000")
+    require(self.prefetch >= 0, s + "prefetch", "must be >= 0", "0 builds batches in the train loop")
     require(self.source in SOURCES, s + "source", f"unknown source {self.source!r}",
             f"use one of {SOURCES}")
     require(self.vocab in VOCABS, s + "vocab", f"unknown vocabulary {self.vocab!r}",

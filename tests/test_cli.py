@@ -81,3 +81,21 @@ def test_unwritable_workdir_and_unknown_flag(tmp_path, capsys):
   assert "--workdir" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     cli.main(["train", f"--gin_file={DEMO}", "--workdir=x", "--no_such_flag"])
+
+
+def test_data_sample_writes_decoded_examples(tmp_path, capsys):
+  out = tmp_path / "sample.jsonl"
+  assert cli.main(["data", "sample", f"--gin_file={DEMO}", "--steps=2", f"--out={out}",
+                   "--gin.DataConfig.mode_tokens=True"]) == 0
+  records = [json.loads(l) for l in out.read_text().splitlines()]
+  assert {r["step"] for r in records} == {0, 1}
+  assert {r["objective"] for r in records} == {"causal", "prefix", "span"}
+  for r in records:
+    assert r["prefix_tokens"] + r["target_tokens"] <= 256
+    if r["objective"] == "span":
+      assert r["prefix"].startswith("[NLU]") and "<extra_id_0>" in r["prefix"]
+      assert r["target"].startswith("<extra_id_0>")
+    elif r["objective"] == "prefix":
+      assert r["prefix"].startswith("[S2S]")
+    else:
+      assert r["prefix"] == "" and r["prefix_tokens"] == 0

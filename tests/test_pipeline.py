@@ -6,7 +6,7 @@ import pytest
 from midas_jax.configs import DataConfig
 from midas_jax.data import corpus, sources
 from midas_jax.data.packing import FIELD_DTYPES, FIELDS, packing_efficiency
-from midas_jax.data.pipeline import CausalLMPipeline, tokenize_documents
+from midas_jax.data.pipeline import Pipeline, tokenize_documents
 from midas_jax.data.vocab import ByteVocabulary
 from midas_jax.errors import ConfigError
 
@@ -53,8 +53,16 @@ def index(documents):
   return {s: DocumentIndex(documents[s]) for s in SPLITS}
 
 
+VOCAB_SIZE = ByteVocabulary().vocab_size
+
+
+def CausalLMPipeline(cfg, docs):  # pylint: disable=invalid-name
+  return Pipeline(cfg, docs, VOCAB_SIZE)
+
+
 def config(**kw):
-  base = dict(seq_len=128, batch_size=8, seed=0)
+  """Causal LM only, so every segment is a window of one document (the UL2 mixture is tested below)."""
+  base = dict(seq_len=128, batch_size=8, seed=0, causal_rate=1.0, prefix_rate=0.0, span_rate=0.0)
   base.update(kw)
   return DataConfig(**base)
 
@@ -220,3 +228,100 @@ def test_packing_efficiency_of_the_builtin_corpus_at_seq_len_256(documents):
   efficiency = np.mean([packing_efficiency(pipeline.batch(s)) for s in range(20)])
   print(f"packing efficiency over 20 batches of 16 x 256: {efficiency:.4f}")
   assert efficiency >= 0.95
+
+
+# ----------------------------------------------------------------------------- the UL2 mixture
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from midas_jax.data import objectives  # noqa: E402
+
+UL2_FULL = ((3.0, 0.15), (8.0, 0.15), (3.0, 0.5), (8.0, 0.5), (64.0, 0.15), (64.0, 0.5))
+
+
+def examples_of(batch):
+  """Yields (objective_id, tokens, prefix_len) for every packed example of a batch."""
+  for r in range(batch["segment_ids"].shape[0]):
+    seg = batch["segment_ids"][r]
+    for s in range(1, seg.max() + 1):
+      where = seg == s
+      yield (int(batch["objective_ids"][r][where][0]), batch["targets"][r][where],
+             int((~batch["loss_weights"][r][where].astype(bool)).sum()))
+
+
+def undo_span_corruption(inputs, targets, sentinels):
+  """Independent decoder: put each target span back where its sentinel sits in the inputs."""
+  spans, current = {}, None
+  for t in targets:
+    if t in sentinels:
+      current = int(t)
+      spans[current] = []
+    else:
+      spans[current].append(int(t))
+  out = []
+  for t in inputs:
+    out.extend(spans[int(t)] if t in sentinels else [int(t)])
+  return np.asarray(out)
+
+
+def test_examples_follow_the_mixture_rates(documents):
+  pipeline = Pipeline(DataConfig(seq_len=256, batch_size=16), documents, VOCAB_SIZE)
+  ids = np.array([obj for step in range(50) for obj, _, _ in examples_of(pipeline.batch(step))])
+  rates = np.bincount(ids, minlength=3) / len(ids)
+  assert len(ids) > 800
+  np.testing.assert_allclose(rates, [0.6, 0.2, 0.2], atol=0.05)  # ~3 standard errors at n > 1000
+
+
+@pytest.mark.parametrize("mode_tokens", [False, True])
+def test_every_example_decodes_to_a_window_of_a_document(documents, index, mode_tokens):
+  cfg = DataConfig(seq_len=256, batch_size=8, span_denoisers=UL2_FULL, mode_tokens=mode_tokens)
+  pipeline = Pipeline(cfg, documents, VOCAB_SIZE)
+  special = pipeline.special
+  sentinels = set(special.sentinel_ids)
+  modes = set(special.mode_ids.values())
+  seen = set()
+  for obj, tokens, prefix_len in examples_of(pipeline.batch(0)):
+    seen.add(obj)
+    starts_with_mode = bool(len(tokens)) and int(tokens[0]) in modes
+    assert starts_with_mode == (mode_tokens and obj != 0)
+    body, prefix_len = (tokens[1:], prefix_len - 1) if starts_with_mode else (tokens, prefix_len)
+    if obj == 2:
+      raw = undo_span_corruption(body[:prefix_len], body[prefix_len:], sentinels)
+      assert int(body[prefix_len]) == special.sentinel_ids[0]
+    else:
+      assert not sentinels & set(body.tolist())
+      raw = body
+    assert index["train"].is_window(raw)
+  assert seen == {0, 1, 2}
+
+
+def test_ul2_packing_efficiency_at_the_demo_length(documents):
+  pipeline = Pipeline(DataConfig(seq_len=256, batch_size=16), documents, VOCAB_SIZE)
+  assert np.mean([packing_efficiency(pipeline.batch(s)) for s in range(20)]) >= 0.95
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), step=st.integers(0, 10**6), seq_len=st.sampled_from([32, 64, 200]),
+       span=st.sampled_from(UL2_FULL), mode_tokens=st.booleans())
+def test_row_invariants_hold_for_any_step_and_mixture(documents, seed, step, seq_len, span, mode_tokens):
+  cfg = DataConfig(seq_len=seq_len, batch_size=2, seed=seed, causal_rate=0.2, prefix_rate=0.3, span_rate=0.5,
+                   span_denoisers=(span,), mode_tokens=mode_tokens, min_chunk=8)
+  batch = Pipeline(cfg, documents, VOCAB_SIZE).batch(step)
+  assert batch["targets"].shape == (2, seq_len)
+  seg = batch["segment_ids"]
+  for r in range(2):
+    for s in range(1, seg[r].max() + 1):
+      where = np.flatnonzero(seg[r] == s)
+      assert np.all(np.diff(where) == 1)  # contiguous
+      assert np.array_equal(batch["positions"][r][where], np.arange(len(where)))
+      weights = batch["loss_weights"][r][where]
+      prefix_len = int((weights == 0).sum())
+      assert np.all(weights[prefix_len:] == 1)  # loss exactly on the targets, after the prefix
+      expected_bidir = prefix_len + 1 if prefix_len else 0
+      assert np.array_equal(np.flatnonzero(batch["prefix_mask"][r][where]), np.arange(expected_bidir))
+  assert np.all(batch["loss_weights"][seg == 0] == 0)
+
+
+def test_too_few_extra_ids_for_the_sentinels_is_refused(documents):
+  with pytest.raises(ConfigError, match="DataConfig.extra_ids"):
+    Pipeline(DataConfig(extra_ids=50), documents, ByteVocabulary(50).vocab_size)

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from midas_jax import sharding
 from midas_jax.configs import ModelConfig, RunConfig
-from midas_jax.data.pipeline import CausalLMPipeline, tokenize_documents
+from midas_jax.data.pipeline import Pipeline, tokenize_documents
 from midas_jax.data.sources import load_documents
 from midas_jax.data.vocab import make_vocabulary
 from midas_jax.model import Decoder
@@ -28,7 +28,7 @@ class Experiment:
   config: RunConfig
   model_config: ModelConfig  # config.model with vocab_size filled in
   vocab: Any
-  pipeline: CausalLMPipeline
+  pipeline: Pipeline
   mesh: Mesh
   rules: Tuple[Tuple[str, Any], ...]
   model: Decoder
@@ -58,9 +58,12 @@ class Experiment:
                    in_shardings=(self.layout.shardings.params, sharding.batch_sharding(self.mesh)),
                    out_shardings=sharding.replicated(self.mesh))
 
+  def host_batch(self, step: int, split: str = "train") -> Dict[str, np.ndarray]:
+    """This process's rows of the global batch at `step`."""
+    return self.pipeline.batch(step, split, jax.process_index(), jax.process_count())
+
   def device_batch(self, step: int, split: str = "train") -> Dict[str, jax.Array]:
-    host = self.pipeline.batch(step, split, jax.process_index(), jax.process_count())
-    return sharding.shard_batch(host, self.mesh)
+    return sharding.shard_batch(self.host_batch(step, split), self.mesh)
 
 
 def load_token_documents(config: RunConfig, vocab) -> Dict[str, List[np.ndarray]]:
@@ -68,13 +71,18 @@ def load_token_documents(config: RunConfig, vocab) -> Dict[str, List[np.ndarray]
           for split in ("train", "validation")}
 
 
+def load_data(config: RunConfig) -> Tuple[Any, Pipeline]:
+  """The vocabulary and the step-addressed pipeline over the configured source."""
+  vocab = make_vocabulary(config.data)
+  return vocab, Pipeline(config.data, load_token_documents(config, vocab), vocab.vocab_size)
+
+
 def build_experiment(config: RunConfig, devices=None) -> Experiment:
   """Reads the data, checks every shape against the mesh, and lays out the state, compiling nothing."""
-  vocab = make_vocabulary(config.data)
-  model_config = config.model.with_vocab(vocab.vocab_size)
   mesh = sharding.make_mesh(config.mesh, devices)
+  vocab, pipeline = load_data(config)
+  model_config = config.model.with_vocab(vocab.vocab_size)
   sharding.check_divisibility(model_config, mesh, config.data.batch_size)
-  pipeline = CausalLMPipeline(config.data, load_token_documents(config, vocab))
   model = Decoder(model_config)
   num_steps = config.trainer.num_steps
   tx = optimizer_lib.make_optimizer(config.optimizer, num_steps)

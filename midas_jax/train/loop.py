@@ -12,9 +12,10 @@ from typing import Optional, Protocol
 import jax
 import numpy as np
 
-from midas_jax import flops
+from midas_jax import flops, sharding
 from midas_jax.bench.peak import peak_flops_per_device
 from midas_jax.configs import RunConfig
+from midas_jax.data.prefetch import Prefetcher
 from midas_jax.errors import ConfigError, NonFiniteLossError
 from midas_jax.train.experiment import Experiment, build_experiment
 from midas_jax.train.metrics import MetricWriter, Progress
@@ -94,7 +95,8 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
   trainer = config.trainer
   checkpointer = checkpointer or NoCheckpointer()
   with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump(dataclasses.asdict(dataclasses.replace(config, model=experiment.model_config)), f, indent=2)
+    resolved = dataclasses.asdict(dataclasses.replace(config, model=experiment.model_config))
+    json.dump(dict(resolved, data_mixture=experiment.pipeline.describe()), f, indent=2)
   if operative_config:
     with open(os.path.join(workdir, "operative_config.gin"), "w") as f:
       f.write(operative_config)
@@ -111,20 +113,24 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
     train_step = experiment.jit_train_step()
     eval_step = experiment.jit_eval_step()
 
+  batches = Prefetcher(experiment.host_batch, start_step, trainer.num_steps, config.data.prefetch)
   writer = MetricWriter(workdir)
   progress = Progress(trainer.num_steps, initial_step=start_step, enabled=trainer.progress_bar)
   t_start = time.time()
   last_loss, eval_loss = float("nan"), None
-  pending, window_start, window_step = [], None, start_step
+  pending, window_start, window_step, data_wait = [], None, start_step, 0.0
   try:
     with experiment.context():
       for step in range(start_step, trainer.num_steps):
-        state, metrics = train_step(state, experiment.device_batch(step))
+        wait_start = time.time()
+        host = batches.get(step)
+        data_wait += time.time() - wait_start
+        state, metrics = train_step(state, sharding.shard_batch(host, experiment.mesh))
         pending.append(metrics)
         done = step + 1
         if window_start is None:  # the first step includes compilation: time from its end
           jax.block_until_ready(metrics["loss"])
-          window_start, window_step = time.time(), done
+          window_start, window_step, data_wait = time.time(), done, 0.0
         if done % trainer.log_every and done != trainer.num_steps:
           continue
         fetched = jax.device_get(pending)
@@ -147,10 +153,11 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
           scalars["tokens_per_second"] = tokens_per_step / step_time
           scalars["mfu"] = flops_per_step / step_time / peak_total
           scalars["step_seconds"] = step_time
+          scalars["data_wait_fraction"] = data_wait / (now - window_start)
         writer.write(done, "train", scalars)
         progress.update(done, {"loss": f"{last_loss:.3f}"})
         checkpointer.save(state, done)
-        pending, window_start, window_step = [], time.time(), done
+        pending, window_start, window_step, data_wait = [], time.time(), done, 0.0
         if trainer.eval_every and (done % trainer.eval_every == 0 or done == trainer.num_steps):
           eval_metrics = evaluate(experiment, eval_step, state.params)
           eval_loss = eval_metrics["loss"]
@@ -158,6 +165,7 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
           window_start = time.time()  # eval time is not training time
     checkpointer.save(state, trainer.num_steps, force=True)
   finally:
+    batches.close()
     progress.close()
     writer.close()
     checkpointer.close()
