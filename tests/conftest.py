@@ -51,3 +51,11 @@ def pytest_configure(config):
   import tempfile  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="midas_jax_test_cache_"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+@pytest.fixture(autouse=True)
+def _clear_gin_bindings():
+  """gin bindings are process-global: a test that parses gin files must not configure the next one."""
+  yield
+  import gin  # pylint: disable=import-outside-toplevel
+  gin.clear_config()

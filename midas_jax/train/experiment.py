@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from midas_jax import sharding
 from midas_jax.configs import ModelConfig, RunConfig
+from midas_jax.data import seqio_source
 from midas_jax.data.pipeline import Pipeline, tokenize_documents
 from midas_jax.data.sources import load_documents
 from midas_jax.data.vocab import make_vocabulary
@@ -66,7 +67,12 @@ class Experiment:
     return sharding.shard_batch(self.host_batch(step, split), self.mesh)
 
 
-def load_token_documents(config: RunConfig, vocab) -> Dict[str, List[np.ndarray]]:
+def load_token_documents(config: RunConfig, vocab,
+                         cache_dir: Optional[str] = None) -> Dict[str, List[np.ndarray]]:
+  """cache_dir: the seqio source's token cache (None: ~/.cache/midas_jax/seqio); others ignore it."""
+  if config.data.source == "seqio":
+    return {split: seqio_source.load_token_documents_from_task(config.data, split, cache_dir, vocab)
+            for split in ("train", "validation")}
   return {split: tokenize_documents(load_documents(config.data, split), vocab)
           for split in ("train", "validation")}
 
