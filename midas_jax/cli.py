@@ -2,6 +2,7 @@
 
   midas train --gin_file=F [--gin_file=F2 ...] [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench train --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]
+  midas bench data --gin_file=F [--gin.KEY=VALUE ...] [--seconds=S] [--train_tokens_per_second=X]
   midas data sample --gin_file=F --steps=N --out=FILE.jsonl
   midas data write-corpus --out=DIR
   midas data train-spm --files=GLOB [--files=GLOB ...] --vocab_size=N --out=PREFIX
@@ -57,6 +58,13 @@ def _parser() -> argparse.ArgumentParser:
   bench_train.add_argument("--steps", type=int, default=10, help="timed steps (after warmup)")
   bench_train.add_argument("--warmup", type=int, default=2, help="untimed steps, compile included")
   bench_train.add_argument("--json", default=None, help="also write the results to this JSON file")
+  bench_data = bench_sub.add_parser("data", help="input pipeline tokens/s on one core vs t5/TF and training")
+  _add_gin_flags(bench_data)
+  bench_data.add_argument("--seconds", type=float, default=5.0, help="timed seconds per measurement")
+  bench_data.add_argument("--train_tokens_per_second", type=float, default=None,
+                          help="training consumption to compare with, instead of timing train steps")
+  bench_data.add_argument("--train_steps", type=int, default=5, help="timed train steps (after 2 warmup)")
+  bench_data.add_argument("--json", default=None, help="also write the results to this JSON file")
 
   data = sub.add_parser("data", help="data utilities")
   data_sub = data.add_subparsers(dest="data", required=True)
@@ -108,10 +116,15 @@ def _train(args, bindings) -> int:
 
 
 def _bench(args, bindings) -> int:
-  from midas_jax.bench import train_bench  # pylint: disable=import-outside-toplevel
+  from midas_jax.bench import data_bench, train_bench  # pylint: disable=import-outside-toplevel
   config, _ = _load_run_config(args.gin_file, bindings)
-  report = train_bench.run(config, steps=args.steps, warmup=args.warmup)
-  print(train_bench.format_report(report))
+  if args.bench == "data":
+    report = data_bench.run(config, seconds=args.seconds, train_tokens_per_second=args.train_tokens_per_second,
+                            train_steps=args.train_steps)
+    print(data_bench.format_report(report))
+  else:
+    report = train_bench.run(config, steps=args.steps, warmup=args.warmup)
+    print(train_bench.format_report(report))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(report, f, indent=2)

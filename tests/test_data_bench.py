@@ -1,0 +1,54 @@
+"""`midas bench data`: a short run reports every figure, and the CLI prints the report."""
+
+import json
+import os
+
+from conftest import tiny_run
+from midas_jax import cli
+from midas_jax.bench import data_bench
+from test_cli import DEMO, TINY_BINDINGS
+
+
+def _positive(d, keys):
+  for k in keys:
+    assert d[k] > 0, (k, d[k])
+
+
+def test_short_run_reports_all_fields():
+  affinity_before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+  r = data_bench.run(tiny_run(), seconds=0.5, train_steps=2)
+  if affinity_before is not None:
+    assert os.sched_getaffinity(0) == affinity_before  # the one-core pin is undone
+    assert r["cpu"] in affinity_before
+  for name in ("ours_mixture", "ours_span"):
+    _positive(r[name], ("tokens_per_second", "real_tokens_per_second", "rows_per_second",
+                        "packing_efficiency", "real_tokens_per_cpu_second"))
+    assert r[name]["packing_efficiency"] <= 1.0
+    assert r[name]["cores_used"] < 1.5  # pinned: one core, allowing for timer granularity
+  assert r["training"]["source"] == "measured"
+  _positive(r["training"], ("tokens_per_second", "step_seconds"))
+  assert r["ratios"]["ours_vs_training"] > 0
+  t5 = r["t5"]
+  if t5["available"]:
+    _positive(t5, ("tokens_per_second", "examples_per_second", "tokens_per_cpu_second"))
+    assert t5["inputs_length"] + t5["targets_length"] <= r["seq_len"]
+    _positive(t5["packed"], ("real_tokens_per_second", "packing_efficiency"))
+    assert t5["cores_used"] < 1.5
+    _positive(r["ratios"], ("ours_vs_tf", "ours_vs_tf_packed", "ours_vs_tf_per_cpu_second"))
+  else:
+    assert "ours_vs_tf" not in r["ratios"] and t5["reason"]
+  text = data_bench.format_report(r)
+  assert "ours, mixture" in text and "ours / training" in text and "ours / TF" in text
+
+
+def test_cli_prints_the_report(capsys, tmp_path):
+  out = tmp_path / "data.json"
+  # A given training rate skips the train steps: this test is about the CLI, not the model.
+  rc = cli.main(["bench", "data", f"--gin_file={DEMO}", "--seconds=0.3", "--train_tokens_per_second=1000",
+                 f"--json={out}", *TINY_BINDINGS])
+  assert rc == 0
+  text = capsys.readouterr().out
+  assert "slots/s" in text and "packing" in text and "(given)" in text and "ours / training" in text
+  report = json.loads(out.read_text())
+  assert report["training"]["tokens_per_second"] == 1000.0
+  assert report["ratios"]["ours_vs_training"] == report["ours_mixture"]["tokens_per_second"] / 1000.0
