@@ -306,6 +306,71 @@ class TrainerConfig:
     require(self.eval_batches > 0, s + "eval_batches", "must be > 0", "evaluate on >= 1 batch")
 
 
+GROWTH_MOMENTS = ("copy", "zero")
+LR_SCHEDULES = ("global", "rewarm")
+
+
+@dataclasses.dataclass(frozen=True)
+class StackingConfig:
+  """Growing depth in stages (MIDAS, GradStack, or a registered operator).
+
+  num_stages: k, the number of stages; 1 (the default) trains at full depth throughout: the baseline.
+    Stage i has i blocks, so the last has num_stages * block_size = ModelConfig.num_layers layers.
+  block_size: b, layers per block; None means num_layers // num_stages.
+  operator: how a stage is grown from the previous one: "midas" (copy the middle block, ceil(n/2),
+    right after itself), "gradstack" (copy the top block onto the top), or any name registered with
+    midas_jax.stacking.operators.register_operator (e.g. the examples "fresh_block", "gstack").
+  alpha: the Prop-alpha exponent: stage i gets steps proportional to i^alpha (1 = Prop-1, 2 = Prop-2,
+    0 = Equal). Ignored when stage_steps is given.
+  stage_steps: explicit steps per stage (one per stage, each >= 1, summing to TrainerConfig.num_steps).
+  new_moments: what optimizer moments a copied layer starts with: "copy" (its source's) or "zero".
+  lr_schedule: "global" (one schedule over all steps, growth does not touch it) or "rewarm" (after
+    each growth the learning rate warms up again, linearly over rewarm_steps, to the global value).
+  rewarm_steps: the re-warmup length; 0 means OptimizerConfig.warmup_steps.
+  """
+
+  num_stages: int = 1
+  block_size: Optional[int] = None
+  operator: str = "midas"
+  alpha: float = 1.0
+  stage_steps: Optional[Tuple[int, ...]] = None
+  new_moments: str = "copy"
+  lr_schedule: str = "global"
+  rewarm_steps: int = 0
+
+  def __post_init__(self):
+    s = "StackingConfig."
+    require(isinstance(self.num_stages, int) and self.num_stages >= 1, s + "num_stages",
+            f"must be a positive int, got {self.num_stages!r}", "use 1 for no growth (the baseline)")
+    require(self.block_size is None or (isinstance(self.block_size, int) and self.block_size >= 1),
+            s + "block_size", f"must be a positive int or None, got {self.block_size!r}",
+            "leave it None for num_layers // num_stages")
+    require(isinstance(self.alpha, (int, float)) and -float("inf") < self.alpha < float("inf"), s + "alpha",
+            f"must be a finite number, got {self.alpha!r}", "1.0 is Prop-1, 2.0 Prop-2, 0.0 Equal")
+    if self.stage_steps is not None:
+      steps = tuple(self.stage_steps)  # gin hands over lists
+      object.__setattr__(self, "stage_steps", steps)
+      require(len(steps) == self.num_stages, s + "stage_steps",
+              f"{len(steps)} entries for num_stages={self.num_stages}", "list one step count per stage")
+      require(all(isinstance(t, int) and t >= 1 for t in steps), s + "stage_steps",
+              f"every stage needs a whole number of steps >= 1, got {steps}",
+              "give each stage at least one step, or drop the stage")
+    require(self.new_moments in GROWTH_MOMENTS, s + "new_moments",
+            f"unknown choice {self.new_moments!r}", f"use one of {GROWTH_MOMENTS}")
+    require(self.lr_schedule in LR_SCHEDULES, s + "lr_schedule",
+            f"unknown choice {self.lr_schedule!r}", f"use one of {LR_SCHEDULES}")
+    require(isinstance(self.rewarm_steps, int) and self.rewarm_steps >= 0, s + "rewarm_steps",
+            f"must be an int >= 0, got {self.rewarm_steps!r}", "0 reuses OptimizerConfig.warmup_steps")
+    from midas_jax.stacking import operators  # lazy: operators imports nothing from here
+    operators.get_operator(self.operator)
+
+  def resolved_block_size(self, num_layers: int) -> int:
+    return self.block_size if self.block_size is not None else num_layers // self.num_stages
+
+  def resolved_rewarm_steps(self, warmup_steps: int) -> int:
+    return self.rewarm_steps or warmup_steps
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
   """Everything one training run needs."""
@@ -315,11 +380,51 @@ class RunConfig:
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+  stacking: StackingConfig = dataclasses.field(default_factory=StackingConfig)
 
   def __post_init__(self):
     require(self.data.seq_len <= self.model.max_seq_len, "DataConfig.seq_len",
             f"seq_len={self.data.seq_len} exceeds ModelConfig.max_seq_len={self.model.max_seq_len}",
             "raise ModelConfig.max_seq_len or lower DataConfig.seq_len")
+    self._check_stacking()
+
+  def _check_stacking(self):
+    st, layers, num_steps = self.stacking, self.model.num_layers, self.trainer.num_steps
+    s = "StackingConfig."
+    if st.stage_steps is not None:
+      require(sum(st.stage_steps) == num_steps, s + "stage_steps",
+              f"{st.stage_steps} sum to {sum(st.stage_steps)}, not TrainerConfig.num_steps={num_steps}",
+              "make the stage steps add up to num_steps, or leave stage_steps None for Prop-alpha")
+    if st.num_stages == 1:
+      return
+    k = st.num_stages
+    require(k <= num_steps, s + "num_stages", f"{k} stages but only TrainerConfig.num_steps={num_steps}",
+            "use at most num_steps stages (every stage needs a step), or train longer")
+    if st.block_size is None:
+      require(layers % k == 0, s + "num_stages",
+              f"ModelConfig.num_layers={layers} is not divisible by num_stages={k}",
+              "choose num_stages that divides num_layers, or set StackingConfig.block_size")
+    else:
+      require(layers % st.block_size == 0, s + "block_size",
+              f"block_size={st.block_size} does not divide ModelConfig.num_layers={layers}",
+              "choose a block size that divides num_layers")
+    # Simulated, not k * b: an operator such as gstack need not add one block per stage.
+    from midas_jax.stacking import operators, schedule  # lazy: both import this module
+    b = st.resolved_block_size(layers)
+    depths = operators.stage_depths(st.operator, k, b)
+    require(depths[-1] == layers, s + "num_stages",
+            f"{k} stages of {st.operator!r} growth from one block of {b} layers end at depth {depths[-1]} "
+            f"(stage depths {depths}), not ModelConfig.num_layers={layers}",
+            f"for one block per stage make num_stages * block_size = num_layers "
+            f"(e.g. num_stages={layers // b})")
+    if st.lr_schedule == "rewarm":
+      steps = st.stage_steps or schedule.prop_alpha_steps(num_steps, k, st.alpha)
+      rewarm = st.resolved_rewarm_steps(self.optimizer.warmup_steps)
+      short = [i + 1 for i, t in enumerate(steps) if i > 0 and t < rewarm]
+      require(not short, s + "rewarm_steps",
+              f"the re-warmup ({rewarm} steps) is longer than stage(s) {short} (stage steps {tuple(steps)})",
+              "lower StackingConfig.rewarm_steps (0 means OptimizerConfig.warmup_steps), or use fewer stages")
 
 
-CONFIG_CLASSES: Sequence[type] = (ModelConfig, MeshConfig, OptimizerConfig, DataConfig, TrainerConfig)
+CONFIG_CLASSES: Sequence[type] = (ModelConfig, MeshConfig, OptimizerConfig, DataConfig, TrainerConfig,
+                                  StackingConfig)

@@ -2,9 +2,9 @@
 
 Parameters carry logical axis names (batch, length, embed, heads, kv, mlp, vocab, layers); one rule
 table per mesh (gin/meshes/) maps them to the mesh axes (data, fsdp, tensor). Optimizer moments
-mirror the parameter tree, so an optimizer-state leaf whose path ends with a parameter's path and
-has its shape gets that parameter's axes; everything else (step counts, factored statistics) is
-replicated.
+mirror the parameter tree, so an optimizer-state leaf whose path ends with a parameter's path gets
+that parameter's axes (less the one a factored moment reduces over); everything else (step counts,
+placeholders) is replicated.
 """
 
 from __future__ import annotations
@@ -76,20 +76,42 @@ def _path_key(path) -> Tuple[str, ...]:
 def mirror_param_specs(tree: Any, params: Any, param_specs: Any) -> Any:
   """Logical specs for `tree` (e.g. an optax state) by matching leaf paths against parameters.
 
-  A leaf gets a parameter's spec when its path ends with that parameter's path and the shapes agree;
-  any other leaf (a step count, a factored second moment) gets P() and is replicated.
+  A leaf whose path ends with a parameter's path gets the parameter's spec when the shapes agree
+  (Adam's mu and nu). If its shape is the parameter's with one axis removed (Adafactor's factored
+  v_row / v_col, which drop one of the two largest axes, not necessarily the last two) it gets the
+  spec with that entry removed, so the `layers` axis stays visible to growth. Where equal adjacent
+  sizes make the removed axis ambiguous, the entries the candidates disagree on are replicated.
+  Any other leaf (a step count, optax's (1,) placeholder) gets P() and is replicated.
   """
   by_path = {}
   for (path, leaf), spec in zip(jax.tree_util.tree_flatten_with_path(params)[0],
                                 jax.tree_util.tree_leaves(param_specs, is_leaf=lambda x: isinstance(x, P))):
     by_path[_path_key(path)] = (np.shape(leaf), spec)
 
+  def factored_spec(shape, spec, leaf_shape):
+    # A real factored moment keeps the other (large) factored axis, so it is never the (1,)
+    # placeholder optax stores for unfactored parameters; a depth-1 [1, embed] scale would match it.
+    if leaf_shape == (1,) or len(leaf_shape) != len(shape) - 1:
+      return None
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    candidates = [entries[:k] + entries[k + 1:] for k in range(len(shape))
+                  if shape[:k] + shape[k + 1:] == leaf_shape]
+    if not candidates:
+      return None
+    return P(*(col[0] if all(e == col[0] for e in col) else None for col in zip(*candidates)))
+
   def spec_for(path, leaf):
     key = _path_key(path)
     for start in range(len(key)):
       match = by_path.get(key[start:])
-      if match is not None and match[0] == np.shape(leaf):
-        return match[1]
+      if match is None:
+        continue
+      shape, spec = match
+      if shape == np.shape(leaf):
+        return spec
+      reduced = factored_spec(shape, spec, np.shape(leaf))
+      if reduced is not None:
+        return reduced
     return P()
 
   return jax.tree_util.tree_map_with_path(spec_for, tree)

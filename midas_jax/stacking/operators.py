@@ -1,0 +1,177 @@
+"""Growth operators: which old layer each layer of the grown model copies.
+
+An operator is a pure function `fn(num_blocks, block_size) -> provenance` over a model of
+`num_blocks * block_size` layers. `provenance[j]` is the old layer that new layer j copies, or -1 for
+a freshly initialized layer; the trainer grows parameters (and optimizer moments) with
+`x[..., provenance, ...]` along the `layers` axis and takes the new depth from `len(provenance)`.
+Operators differ only in this map, so adding one is registering a function here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from midas_jax.errors import ConfigError, require
+
+Operator = Callable[[int, int], np.ndarray]
+
+_REGISTRY: Dict[str, Operator] = {}
+
+
+def register_operator(name: str, fn: Optional[Operator] = None):
+  """Registers `fn` under `name`; usable as `register_operator("x", fn)` or `@register_operator("x")`."""
+  require(isinstance(name, str) and name != "", "StackingConfig.operator",
+          f"operator names must be non-empty strings, got {name!r}", "register under a plain name")
+
+  def add(f: Operator) -> Operator:
+    _REGISTRY[name] = f
+    return f
+
+  return add if fn is None else add(fn)
+
+
+def known_operators() -> Tuple[str, ...]:
+  return tuple(sorted(_REGISTRY))
+
+
+def get_operator(name: str) -> Operator:
+  if name not in _REGISTRY:
+    raise ConfigError("StackingConfig.operator", f"unknown growth operator {name!r}",
+                      f"use one of {known_operators()}, or register one with "
+                      "midas_jax.stacking.operators.register_operator before building the config")
+  return _REGISTRY[name]
+
+
+def _blocks(num_blocks: int, block_size: int) -> np.ndarray:
+  require(isinstance(num_blocks, (int, np.integer)) and num_blocks >= 1, "num_blocks",
+          f"must be a positive int, got {num_blocks!r}", "grow a model of at least one block")
+  require(isinstance(block_size, (int, np.integer)) and block_size >= 1, "StackingConfig.block_size",
+          f"must be a positive int, got {block_size!r}", "use a positive number of layers per block")
+  return np.arange(num_blocks * block_size, dtype=np.int64).reshape(num_blocks, block_size)
+
+
+@register_operator("midas")
+def midas(num_blocks: int, block_size: int) -> np.ndarray:
+  """MIDAS: copy block ceil(n/2) (1-indexed) and insert the copy right after it."""
+  blocks = _blocks(num_blocks, block_size)
+  middle = (num_blocks + 1) // 2 - 1  # ceil(n/2) - 1, 0-indexed
+  order = list(range(middle + 1)) + [middle] + list(range(middle + 1, num_blocks))
+  return blocks[order].reshape(-1)
+
+
+@register_operator("gradstack")
+def gradstack(num_blocks: int, block_size: int) -> np.ndarray:
+  """Gradual stacking: copy the top block and put the copy on top."""
+  blocks = _blocks(num_blocks, block_size)
+  return blocks[list(range(num_blocks)) + [num_blocks - 1]].reshape(-1)
+
+
+@register_operator("fresh_block")
+def fresh_block(num_blocks: int, block_size: int) -> np.ndarray:
+  """Extension example: a freshly initialized block on top (no copying; the control for copying)."""
+  blocks = _blocks(num_blocks, block_size)
+  return np.concatenate([blocks.reshape(-1), np.full(block_size, -1, dtype=np.int64)])
+
+
+@register_operator("gstack")
+def gstack(num_blocks: int, block_size: int) -> np.ndarray:
+  """Extension example: G_stack (Du et al. 2024), the whole model stacked on itself, so depth doubles.
+
+  This breaks the "stage i has i blocks" rule of MIDAS and GradStack: stage i has 2^(i-1) blocks.
+  `schedule.schedule_from_config` accounts for it by simulating the operator (`stage_depths`), so the
+  config must satisfy num_layers == block_size * 2^(num_stages - 1); the trainer takes each new depth
+  from len(provenance), never from the stage number.
+  """
+  layers = _blocks(num_blocks, block_size).reshape(-1)
+  return np.concatenate([layers, layers])
+
+
+def provenance_for(name: str, num_layers: int, block_size: int) -> np.ndarray:
+  """Runs operator `name` on a model of `num_layers` layers and checks the map it returns.
+
+  A map must be a 1-D int array of entries in [-1, num_layers) that keeps whole blocks (its length a
+  multiple of block_size, so the next growth sees whole blocks) and grows the model.
+  """
+  require(num_layers % block_size == 0, "StackingConfig.block_size",
+          f"block_size={block_size} does not divide the current depth {num_layers}",
+          "pick a block size that divides every stage's depth")
+  prov = np.asarray(get_operator(name)(num_layers // block_size, block_size))
+  ok = (prov.ndim == 1 and np.issubdtype(prov.dtype, np.integer) and len(prov) > num_layers
+        and len(prov) % block_size == 0 and bool(np.all((prov >= -1) & (prov < num_layers))))
+  require(ok, "StackingConfig.operator",
+          f"operator {name!r} returned an invalid provenance map for {num_layers} layers: {prov!r}",
+          "return a 1-D int array, longer than the old depth and a multiple of block_size, of old "
+          "layer indices (or -1 for a fresh layer)")
+  return prov.astype(np.int64)
+
+
+def stage_depths(name: str, num_stages: int, block_size: int) -> Tuple[int, ...]:
+  """Depth of every stage when growth starts from one block and applies `name` num_stages-1 times."""
+  depths = [block_size]
+  for _ in range(num_stages - 1):
+    depths.append(len(provenance_for(name, depths[-1], block_size)))
+  return tuple(depths)
+
+
+def new_layer_mask(provenance: Sequence[int]) -> np.ndarray:
+  """True where a grown layer is new: fresh (-1), or a copy other than its source's first occurrence."""
+  prov = np.asarray(provenance)
+  seen = set()
+  mask = np.zeros(len(prov), dtype=bool)
+  for j, p in enumerate(prov.tolist()):
+    mask[j] = p == -1 or p in seen
+    seen.add(p)
+  return mask
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRecord:
+  """Where one layer came from.
+
+  born_stage / born_index: the stage (1-indexed) it first appeared in and its layer index then.
+  origin: the stage-1 layer it ultimately descends from (None for a fresh layer or its copies).
+  copied_from: the layer index, in the previous stage's model, it was copied from (None if it was
+    initialized, at stage 1 or fresh).
+  """
+
+  born_stage: int
+  born_index: int
+  origin: Optional[int]
+  copied_from: Optional[int] = None
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> "LayerRecord":
+    return cls(**d)
+
+
+def initial_lineage(num_layers: int) -> List[LayerRecord]:
+  """Stage 1: every layer is initialized and is its own origin."""
+  return [LayerRecord(born_stage=1, born_index=i, origin=i) for i in range(num_layers)]
+
+
+def compose_lineage(lineage: Sequence[LayerRecord], provenance: Sequence[int],
+                    stage: int) -> List[LayerRecord]:
+  """The records of the model grown by `provenance` into stage `stage`.
+
+  A layer that is its source's first occurrence is the same layer, moved: it keeps its record.
+  A new copy inherits the source's origin and is born now, copied_from the source's old index.
+  """
+  prov = np.asarray(provenance).tolist()
+  require(all(-1 <= p < len(lineage) for p in prov), "provenance",
+          f"entries must be in [-1, {len(lineage)}), got {prov}", "pass the map the operator returned")
+  mask = new_layer_mask(prov)
+  out = []
+  for j, (p, new) in enumerate(zip(prov, mask)):
+    if p == -1:
+      out.append(LayerRecord(born_stage=stage, born_index=j, origin=None))
+    elif new:
+      out.append(LayerRecord(born_stage=stage, born_index=j, origin=lineage[p].origin, copied_from=p))
+    else:
+      out.append(lineage[p])
+  return out
