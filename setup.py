@@ -15,6 +15,7 @@ CORE = [
     "sentencepiece==0.2.3",
     "tensorboardX>=2.6",
     "tqdm>=4.60",
+    "matplotlib==3.11.2",
 ]
 
 EXTRAS = {

@@ -1,6 +1,9 @@
 """The `midas` command line (also `python -m midas_jax`).
 
   midas train --gin_file=F [--gin_file=F2 ...] [--gin.KEY=VALUE ...] --workdir=DIR
+  midas compare --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
+  midas inspect --workdir=DIR
+  midas bench stacking --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench train --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]
   midas bench data --gin_file=F [--gin.KEY=VALUE ...] [--seconds=S] [--train_tokens_per_second=X]
   midas data sample --gin_file=F --steps=N --out=FILE.jsonl
@@ -51,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
   _add_gin_flags(train)
   train.add_argument("--workdir", required=True, help="output directory: config, metrics, checkpoints")
 
+  comp = sub.add_parser("compare", help="train a stacked config and its full-depth baseline side by side")
+  _add_gin_flags(comp)
+  comp.add_argument("--workdir", required=True, help="output: one folder per run, table and loss-vs-FLOPs plot")
+
+  inspect = sub.add_parser("inspect", help="JSON: step, stage, depth, schedule and layer provenance of a run")
+  inspect.add_argument("--workdir", required=True)
+
   bench = sub.add_parser("bench", help="benchmarks")
   bench_sub = bench.add_subparsers(dest="bench", required=True)
   bench_train = bench_sub.add_parser("train", help="steady-state tokens/s and MFU against the matmul peak")
@@ -58,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
   bench_train.add_argument("--steps", type=int, default=10, help="timed steps (after warmup)")
   bench_train.add_argument("--warmup", type=int, default=2, help="untimed steps, compile included")
   bench_train.add_argument("--json", default=None, help="also write the results to this JSON file")
+  bench_stack = bench_sub.add_parser("stacking", help="measured vs theoretical speedup of MIDAS Prop-1, k=4")
+  _add_gin_flags(bench_stack)
+  bench_stack.add_argument("--workdir", required=True, help="where the two runs write their outputs")
+  bench_stack.add_argument("--json", default=None, help="also write the results to this JSON file")
   bench_data = bench_sub.add_parser("data", help="input pipeline tokens/s on one core vs t5/TF and training")
   _add_gin_flags(bench_data)
   bench_data.add_argument("--seconds", type=float, default=5.0, help="timed seconds per measurement")
@@ -115,10 +129,41 @@ def _train(args, bindings) -> int:
   return 0
 
 
+def _compare(args, bindings) -> int:
+  from midas_jax import compare  # pylint: disable=import-outside-toplevel
+  enable_compilation_cache()
+  config, gin_config = _load_run_config(args.gin_file, bindings)
+  report = compare.compare(config, args.workdir, operative_config=gin_config.operative_config())
+  print(report["table"])
+  print(f"wall-clock speedup {report['measured_speedup']:.2f}x at {report['flop_ratio']:.2f}x fewer FLOPs; "
+        f"plot: {os.path.join(args.workdir, 'loss_vs_flops.png')}")
+  return 0
+
+
+def _inspect(args, bindings) -> int:
+  del bindings
+  path = os.path.join(args.workdir, "stages.json")
+  if not os.path.isfile(path):
+    raise ConfigError("--workdir", f"no run in {args.workdir} (stages.json is missing)",
+                      "pass the --workdir of a `midas train` run")
+  with open(path) as f:
+    report = json.load(f)
+  config_path = os.path.join(args.workdir, "config.json")
+  if os.path.isfile(config_path):
+    with open(config_path) as f:
+      report["config"] = json.load(f)
+  print(json.dumps(report, indent=2))
+  return 0
+
+
 def _bench(args, bindings) -> int:
   from midas_jax.bench import data_bench, train_bench  # pylint: disable=import-outside-toplevel
   config, _ = _load_run_config(args.gin_file, bindings)
-  if args.bench == "data":
+  if args.bench == "stacking":
+    from midas_jax.bench import stacking_bench  # pylint: disable=import-outside-toplevel
+    report = stacking_bench.run(config, args.workdir)
+    print(stacking_bench.format_report(report))
+  elif args.bench == "data":
     report = data_bench.run(config, seconds=args.seconds, train_tokens_per_second=args.train_tokens_per_second,
                             train_steps=args.train_steps)
     print(data_bench.format_report(report))
@@ -161,7 +206,7 @@ def _data(args, bindings) -> int:
   return 0
 
 
-COMMANDS = {"train": _train, "bench": _bench, "data": _data}
+COMMANDS = {"train": _train, "compare": _compare, "inspect": _inspect, "bench": _bench, "data": _data}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

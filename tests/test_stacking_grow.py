@@ -11,7 +11,7 @@ from midas_jax import configs, sharding
 from midas_jax.errors import ConfigError
 from midas_jax.model import Decoder, dummy_batch, make_attention_mask
 from midas_jax.model.layers import Block, Norm
-from midas_jax.stacking.grow import config_at_depth, grow_tree, layers_axis, make_grower
+from midas_jax.stacking.grow import grow_tree, layers_axis, make_grower
 from midas_jax.train.experiment import build_experiment
 from midas_jax.train.state import TrainState
 
@@ -68,8 +68,8 @@ def run():
   single = tiny_run(model=config.model, mesh=configs.MeshConfig())
   return dict(config=config, exp=exp, host=to_host(state),
               exp1=build_experiment(single, devices=jax.devices()[:1]),
-              new=build_experiment(config_at_depth(config, len(PROV))),
-              new1=build_experiment(config_at_depth(single, len(PROV)), devices=jax.devices()[:1]))
+              new=build_experiment(config, num_layers=len(PROV)),
+              new1=build_experiment(single, devices=jax.devices()[:1], num_layers=len(PROV)))
 
 
 def grown(run, prov=PROV, new_moments="copy", devices=8, fresh=None):
@@ -223,7 +223,7 @@ def test_adafactor_moments_grow_too():
     state, _ = step(state, exp.device_batch(0))
   old = to_host(state)
   prov = np.array([0, 1, 0, 1])
-  new = build_experiment(config_at_depth(config, len(prov)), devices=jax.devices()[:1])
+  new = build_experiment(config, devices=jax.devices()[:1], num_layers=len(prov))
   grown_state = to_host(make_grower(exp.layout, new.layout, prov)(state))
   logical = exp.layout.logical
   assert_trees_equal(grown_state, grow_host(old, logical, prov))

@@ -10,7 +10,7 @@ The `layers` axis is found from the logical axis names, never from shapes, and i
 its mesh layout and the gather moves no data between devices. The new model's layout comes from an
 experiment built for the deeper model:
 
-  new_exp = build_experiment(config_at_depth(config, len(provenance)))
+  new_exp = build_experiment(config, data=(exp.vocab, exp.pipeline), num_layers=len(provenance))
   grower = make_grower(exp.layout, new_exp.layout, provenance, new_moments="copy")
   state = grower(state)            # grower(state, fresh_state) when provenance has -1 entries
 """
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from midas_jax.configs import GROWTH_MOMENTS, RunConfig
+from midas_jax.configs import GROWTH_MOMENTS
 from midas_jax.errors import require
 from midas_jax.stacking.operators import new_layer_mask
 from midas_jax.train.state import StateLayout, TrainState
@@ -44,11 +44,6 @@ def layers_axis(spec) -> Optional[int]:
   if len(axes) > 1:
     raise ValueError(f"logical spec {spec} names the '{LAYERS}' axis more than once")
   return axes[0] if axes else None
-
-
-def config_at_depth(config: RunConfig, num_layers: int) -> RunConfig:
-  """The run config of the grown model: the same run, `num_layers` layers."""
-  return dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=num_layers))
 
 
 def _rows(mask: np.ndarray, axis: int, ndim: int) -> np.ndarray:
@@ -170,7 +165,7 @@ def make_grower(old_layout: StateLayout, new_layout: StateLayout, provenance: Se
   old_depth, new_depth = _depth(old_layout), _depth(new_layout)
   require(len(prov) == new_depth and bool(np.all((prov >= -1) & (prov < old_depth))), "provenance",
           f"{prov.tolist()} does not map {old_depth} old layers to the new layout's {new_depth}",
-          "build the new experiment at depth len(provenance) (config_at_depth)")
+          "build the new experiment at depth len(provenance) (build_experiment(..., num_layers=))")
   _check_layers_unsharded(old_layout, "old")
   _check_layers_unsharded(new_layout, "new")
   needs_fresh = bool((prov < 0).any())

@@ -19,6 +19,7 @@ from midas_jax.data.pipeline import Pipeline, tokenize_documents
 from midas_jax.data.sources import load_documents
 from midas_jax.data.vocab import make_vocabulary
 from midas_jax.model import Decoder
+from midas_jax.stacking.schedule import schedule_from_config
 from midas_jax.train import optimizer as optimizer_lib
 from midas_jax.train import step as step_lib
 from midas_jax.train.state import StateLayout, TrainState, create_train_state, state_layout
@@ -83,16 +84,34 @@ def load_data(config: RunConfig) -> Tuple[Any, Pipeline]:
   return vocab, Pipeline(config.data, load_token_documents(config, vocab), vocab.vocab_size)
 
 
-def build_experiment(config: RunConfig, devices=None) -> Experiment:
-  """Reads the data, checks every shape against the mesh, and lays out the state, compiling nothing."""
+def learning_rate(config: RunConfig) -> optax.Schedule:
+  """The global schedule, re-warmed after each growth when StackingConfig.lr_schedule = "rewarm"."""
+  num_steps = config.trainer.num_steps
+  schedule = optimizer_lib.learning_rate_schedule(config.optimizer, num_steps)
+  stacking = config.stacking
+  if stacking.num_stages == 1 or stacking.lr_schedule != "rewarm":
+    return schedule
+  stages = schedule_from_config(stacking, num_steps, config.model.num_layers)
+  return optimizer_lib.with_rewarm(schedule, stages.boundaries,
+                                   stacking.resolved_rewarm_steps(config.optimizer.warmup_steps))
+
+
+def build_experiment(config: RunConfig, devices=None, data: Optional[Tuple[Any, Pipeline]] = None,
+                     num_layers: Optional[int] = None) -> Experiment:
+  """Reads the data, checks every shape against the mesh, and lays out the state, compiling nothing.
+
+  data: (vocab, pipeline) to reuse instead of loading them again; num_layers: the depth of this
+  experiment's model when it differs from the final depth (a stage of a stacked run).
+  """
   mesh = sharding.make_mesh(config.mesh, devices)
-  vocab, pipeline = load_data(config)
+  vocab, pipeline = data or load_data(config)
   model_config = config.model.with_vocab(vocab.vocab_size)
+  if num_layers is not None:
+    model_config = dataclasses.replace(model_config, num_layers=num_layers)
   sharding.check_divisibility(model_config, mesh, config.data.batch_size)
   model = Decoder(model_config)
-  num_steps = config.trainer.num_steps
-  tx = optimizer_lib.make_optimizer(config.optimizer, num_steps)
-  schedule = optimizer_lib.learning_rate_schedule(config.optimizer, num_steps)
+  schedule = learning_rate(config)
+  tx = optimizer_lib.make_optimizer(config.optimizer, config.trainer.num_steps, schedule)
   rules = config.mesh.rules_as_tuples()
   layout = state_layout(model, tx, mesh, rules, config.data.seq_len)
   return Experiment(config=config, model_config=model_config, vocab=vocab, pipeline=pipeline, mesh=mesh,

@@ -17,7 +17,8 @@ from midas_jax.bench.peak import peak_flops_per_device
 from midas_jax.configs import RunConfig
 from midas_jax.data.prefetch import Prefetcher
 from midas_jax.errors import ConfigError, NonFiniteLossError
-from midas_jax.train.experiment import Experiment, build_experiment
+from midas_jax.stacking.controller import StageController
+from midas_jax.train.experiment import Experiment
 from midas_jax.train.metrics import MetricWriter, Progress
 from midas_jax.train.state import TrainState
 from midas_jax.train.step import per_objective_losses
@@ -26,7 +27,9 @@ from midas_jax.train.step import per_objective_losses
 class Checkpointer(Protocol):
   """The seam a checkpoint manager plugs into. It only ever sees states whose loss was finite."""
 
-  def restore(self, experiment: Experiment) -> Optional[TrainState]: ...
+  def latest_step(self) -> Optional[int]: ...
+
+  def restore(self, experiment: Experiment, step: int) -> TrainState: ...
 
   def save(self, state: TrainState, step: int, force: bool = False) -> None: ...
 
@@ -34,8 +37,11 @@ class Checkpointer(Protocol):
 
 
 class NoCheckpointer:
-  def restore(self, experiment):
+  def latest_step(self):
     return None
+
+  def restore(self, experiment, step):
+    raise AssertionError("NoCheckpointer has nothing to restore")
 
   def save(self, state, step, force=False):
     pass
@@ -50,7 +56,9 @@ class TrainResult:
   final_loss: float
   final_eval_loss: Optional[float]
   wall_seconds: float
+  train_seconds: float  # wall time less evaluation: what growth and recompiles are compared against
   workdir: str
+  growths: list
 
 
 def prepare_workdir(workdir: str) -> str:
@@ -88,86 +96,135 @@ def _first_non_finite(losses, first_step: int) -> Optional[int]:
   return None
 
 
+def _write_json(path: str, obj) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(tmp, path)
+
+
+class _Window:
+  """Metrics of the steps since the last log line, and the wall time of those after any compile."""
+
+  def __init__(self, step: int):
+    self.restart(step, timed=False)
+
+  def restart(self, step: int, timed: bool = True):
+    self.metrics, self.first_step = [], step  # metrics[i] is from step first_step + i (0-indexed)
+    self.start_timer(step) if timed else self.stop_timer()
+
+  def start_timer(self, step: int):
+    self.start, self.timed_from, self.data_wait = time.time(), step, 0.0
+
+  def stop_timer(self):
+    self.start, self.timed_from, self.data_wait = None, None, 0.0
+
+
 def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] = None,
-          operative_config: str = "") -> TrainResult:
+          operative_config: str = "", devices=None) -> TrainResult:
+  """Trains (or resumes) a run, growing the model at each stage boundary of config.stacking."""
   workdir = prepare_workdir(workdir)
-  experiment = build_experiment(config)
-  trainer = config.trainer
+  controller = StageController(config, devices)
+  trainer, data = config.trainer, config.data
   checkpointer = checkpointer or NoCheckpointer()
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    resolved = dataclasses.asdict(dataclasses.replace(config, model=experiment.model_config))
-    json.dump(dict(resolved, data_mixture=experiment.pipeline.describe()), f, indent=2)
+  vocab, pipeline = controller.data
+  resolved = dataclasses.asdict(dataclasses.replace(config, model=controller.model_config))
+  _write_json(os.path.join(workdir, "config.json"), dict(resolved, data_mixture=pipeline.describe()))
   if operative_config:
     with open(os.path.join(workdir, "operative_config.gin"), "w") as f:
       f.write(operative_config)
 
-  flops_per_step = (flops.train_flops_per_token(experiment.model_config, config.data.seq_len)
-                    * config.data.batch_size * config.data.seq_len)
-  peak = peak_flops_per_device(trainer.peak_flops_per_device, dtype=experiment.model_config.dtype)
-  peak_total = peak * jax.device_count()
-  tokens_per_step = config.data.batch_size * config.data.seq_len
+  start_step = checkpointer.latest_step() or 0
+  stage = controller.stage_at(start_step)
+  state = stage.experiment.init_state() if start_step == 0 else checkpointer.restore(stage.experiment, start_step)
+  peak = peak_flops_per_device(trainer.peak_flops_per_device, dtype=config.model.dtype) * jax.device_count()
+  tokens_per_step = data.batch_size * data.seq_len
 
-  state = checkpointer.restore(experiment) or experiment.init_state()
-  start_step = int(jax.device_get(state.step))
-  with experiment.context():
-    train_step = experiment.jit_train_step()
-    eval_step = experiment.jit_eval_step()
+  def flops_per_step(depth):
+    return flops.train_flops_per_token(controller.model_config, data.seq_len, num_layers=depth) * tokens_per_step
 
-  batches = Prefetcher(experiment.host_batch, start_step, trainer.num_steps, config.data.prefetch)
+  def write_stages(step):
+    _write_json(os.path.join(workdir, "stages.json"), controller.describe(step))
+
+  batches = Prefetcher(stage.experiment.host_batch, start_step, trainer.num_steps, data.prefetch)
   writer = MetricWriter(workdir)
   progress = Progress(trainer.num_steps, initial_step=start_step, enabled=trainer.progress_bar)
-  t_start = time.time()
+  t_start, eval_seconds = time.time(), 0.0
   last_loss, eval_loss = float("nan"), None
-  pending, window_start, window_step, data_wait = [], None, start_step, 0.0
+  window = _Window(start_step)
+
+  def log(done: int) -> None:
+    """Checks the window's losses, then writes its metrics; called at log steps and stage ends."""
+    nonlocal last_loss
+    fetched = jax.device_get(window.metrics)
+    bad = _first_non_finite([m["loss"] for m in fetched], window.first_step + 1)
+    if bad is not None:
+      raise NonFiniteLossError(
+          f"the loss became non-finite at step {bad}; training stopped before that state could be "
+          "saved. Lower OptimizerConfig.learning_rate, set OptimizerConfig.grad_clip_norm, or "
+          "check the data.")
+    last = fetched[-1]
+    last_loss = float(last["loss"])
+    scalars = {"loss": last_loss, "grad_norm": float(last["grad_norm"]),
+               "learning_rate": float(last["learning_rate"]), "stage": stage.index, "depth": stage.depth,
+               "cumulative_flops": controller.cumulative_flops(done)}
+    scalars.update(per_objective_losses(last["objective_loss_sum"], last["objective_weight_sum"]))
+    if last["z_loss"]:
+      scalars["z_loss"] = float(last["z_loss"])
+    if window.start is not None and done > window.timed_from:
+      elapsed = time.time() - window.start
+      step_time = elapsed / (done - window.timed_from)
+      scalars.update(tokens_per_second=tokens_per_step / step_time, step_seconds=step_time,
+                     mfu=flops_per_step(stage.depth) / step_time / peak,
+                     data_wait_fraction=window.data_wait / elapsed)
+    writer.write(done, "train", scalars)
+    progress.update(done, {"loss": f"{last_loss:.3f}", "depth": stage.depth})
+
   try:
-    with experiment.context():
-      for step in range(start_step, trainer.num_steps):
+    for step in range(start_step, trainer.num_steps):
+      if step in controller.schedule.boundaries and step != start_step:
+        if window.metrics:
+          log(step)
+        state, stage = controller.grow(state, stage, step)
+        growth = controller.growths[-1]
+        writer.write(step, "stage", {"stage": stage.index, "depth": stage.depth,
+                                     "growth_seconds": growth["seconds"]})
+        checkpointer.save(state, step, force=True)
+        write_stages(step)
+        window.restart(step, timed=False)
+      with stage.experiment.context():
         wait_start = time.time()
         host = batches.get(step)
-        data_wait += time.time() - wait_start
-        state, metrics = train_step(state, sharding.shard_batch(host, experiment.mesh))
-        pending.append(metrics)
-        done = step + 1
-        if window_start is None:  # the first step includes compilation: time from its end
-          jax.block_until_ready(metrics["loss"])
-          window_start, window_step, data_wait = time.time(), done, 0.0
-        if done % trainer.log_every and done != trainer.num_steps:
-          continue
-        fetched = jax.device_get(pending)
-        bad = _first_non_finite([m["loss"] for m in fetched], done - len(fetched) + 1)
-        if bad is not None:
-          raise NonFiniteLossError(
-              f"the loss became non-finite at step {bad}; training stopped before that state could be "
-              "saved. Lower OptimizerConfig.learning_rate, set OptimizerConfig.grad_clip_norm, or "
-              "check the data.")
-        now = time.time()
-        last = fetched[-1]
-        last_loss = float(last["loss"])
-        scalars = {"loss": last_loss, "grad_norm": float(last["grad_norm"]),
-                   "learning_rate": float(last["learning_rate"])}
-        scalars.update(per_objective_losses(last["objective_loss_sum"], last["objective_weight_sum"]))
-        if last["z_loss"]:
-          scalars["z_loss"] = float(last["z_loss"])
-        if done > window_step:
-          step_time = (now - window_start) / (done - window_step)
-          scalars["tokens_per_second"] = tokens_per_step / step_time
-          scalars["mfu"] = flops_per_step / step_time / peak_total
-          scalars["step_seconds"] = step_time
-          scalars["data_wait_fraction"] = data_wait / (now - window_start)
-        writer.write(done, "train", scalars)
-        progress.update(done, {"loss": f"{last_loss:.3f}"})
-        checkpointer.save(state, done)
-        pending, window_start, window_step, data_wait = [], time.time(), done, 0.0
-        if trainer.eval_every and (done % trainer.eval_every == 0 or done == trainer.num_steps):
-          eval_metrics = evaluate(experiment, eval_step, state.params)
-          eval_loss = eval_metrics["loss"]
-          writer.write(done, "eval", eval_metrics)
-          window_start = time.time()  # eval time is not training time
+        window.data_wait += time.time() - wait_start
+        state, metrics = stage.train_step(state, sharding.shard_batch(host, stage.experiment.mesh))
+      window.metrics.append(metrics)
+      done = step + 1
+      if window.start is None:  # this step compiled: time the window from its end
+        jax.block_until_ready(metrics["loss"])
+        window.start_timer(done)
+      if done % trainer.log_every and done != trainer.num_steps:
+        continue
+      if window.metrics:
+        log(done)
+      checkpointer.save(state, done)
+      window.restart(done)
+      if trainer.eval_every and (done % trainer.eval_every == 0 or done == trainer.num_steps):
+        eval_start = time.time()
+        with stage.experiment.context():
+          eval_metrics = evaluate(stage.experiment, stage.eval_step, state.params)
+        eval_loss = eval_metrics["loss"]
+        writer.write(done, "eval", dict(eval_metrics, stage=stage.index, depth=stage.depth,
+                                        cumulative_flops=controller.cumulative_flops(done)))
+        eval_seconds += time.time() - eval_start
+        window.start_timer(done)  # eval time is not training time
     checkpointer.save(state, trainer.num_steps, force=True)
+    write_stages(trainer.num_steps)
   finally:
     batches.close()
     progress.close()
     writer.close()
     checkpointer.close()
+  wall = time.time() - t_start
   return TrainResult(steps=trainer.num_steps, final_loss=last_loss, final_eval_loss=eval_loss,
-                     wall_seconds=time.time() - t_start, workdir=workdir)
+                     wall_seconds=wall, train_seconds=wall - eval_seconds, workdir=workdir,
+                     growths=list(controller.growths))

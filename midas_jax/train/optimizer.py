@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,24 @@ def learning_rate_schedule(cfg: OptimizerConfig, num_steps: int) -> optax.Schedu
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
 
 
+def with_rewarm(schedule: optax.Schedule, starts: Sequence[int], rewarm_steps: int) -> optax.Schedule:
+  """The schedule scaled by a linear ramp from 0 to 1 over rewarm_steps after each step in `starts`.
+
+  Re-warming the learning rate after each stacking growth, as Reddi et al. (2023) restart warmup per
+  stage; the global schedule otherwise continues (the step count never resets).
+  """
+  if not starts or rewarm_steps <= 0:
+    return schedule
+  starts_arr = jnp.asarray(sorted(starts), jnp.int32)
+
+  def rewarmed(step):
+    began = jnp.where(starts_arr <= step, starts_arr, -1).max()
+    ramp = jnp.clip((step - began + 1) / rewarm_steps, 0.0, 1.0)
+    return schedule(step) * jnp.where(began >= 0, ramp, 1.0)
+
+  return rewarmed
+
+
 def weight_decay_mask(params: Any, decay_embeddings: bool) -> Any:
   """True for the leaves weight decay applies to: weight matrices, and embeddings if asked.
 
@@ -49,8 +67,10 @@ def weight_decay_mask(params: Any, decay_embeddings: bool) -> Any:
   return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(cfg: OptimizerConfig, num_steps: int) -> optax.GradientTransformation:
-  schedule = learning_rate_schedule(cfg, num_steps)
+def make_optimizer(cfg: OptimizerConfig, num_steps: int,
+                   schedule: Optional[optax.Schedule] = None) -> optax.GradientTransformation:
+  """schedule: the learning rate by step; None builds learning_rate_schedule(cfg, num_steps)."""
+  schedule = schedule or learning_rate_schedule(cfg, num_steps)
   mask = lambda params: weight_decay_mask(params, cfg.decay_embeddings)
   if cfg.name == "adamw":
     opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask)

@@ -1,0 +1,105 @@
+"""A stacked run against its baseline: the same config trained at full depth throughout and grown.
+
+`midas compare` (the default job) and `midas bench stacking` use this: both runs share data, seed,
+steps and schedule, so their losses compare at equal steps, and the FLOP axis compares them at equal
+compute. Writes comparison.json, comparison.md and loss_vs_flops.png under the workdir, with each
+run's own outputs in <workdir>/<run name>/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Dict, List
+
+from midas_jax.configs import RunConfig, StackingConfig
+from midas_jax.train import loop
+from midas_jax.train.metrics import read_metrics
+from midas_jax.train.step import OBJECTIVES
+
+
+def run_pair(config: RunConfig) -> Dict[str, RunConfig]:
+  """{"baseline": full depth throughout, <operator>: the config's stacking}."""
+  if config.stacking.num_stages == 1:
+    raise ValueError("the config does not grow (StackingConfig.num_stages = 1): nothing to compare")
+  return {"baseline": dataclasses.replace(config, stacking=StackingConfig(num_stages=1)),
+          config.stacking.operator: config}
+
+
+def summarize(name: str, result: loop.TrainResult) -> Dict[str, object]:
+  evals = read_metrics(result.workdir, "eval")
+  train_rows = read_metrics(result.workdir, "train")
+  last_eval = evals[-1] if evals else {}
+  row = {"run": name, "steps": result.steps, "train_seconds": round(result.train_seconds, 1),
+         "total_flops": train_rows[-1]["cumulative_flops"] if train_rows else None,
+         "final_train_loss": result.final_loss, "final_eval_loss": last_eval.get("loss"),
+         "growth_seconds": round(sum(g["seconds"] for g in result.growths), 2), "workdir": result.workdir}
+  for objective in OBJECTIVES:
+    row[f"eval_loss/{objective}"] = last_eval.get(f"loss/{objective}")
+  return row
+
+
+def markdown_table(rows: List[Dict[str, object]]) -> str:
+  cols = ["run", "steps", "train_seconds", "total_flops", "final_eval_loss"] + \
+      [f"eval_loss/{o}" for o in OBJECTIVES]
+
+  def fmt(v):
+    if isinstance(v, float):
+      return f"{v:.3e}" if abs(v) >= 1e5 else f"{v:.4f}"
+    return "-" if v is None else str(v)
+
+  lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+  lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def plot_loss_vs_flops(rows: List[Dict[str, object]], growths: List[dict], path: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for row in rows:
+    train_rows = read_metrics(row["workdir"], "train")
+    evals = read_metrics(row["workdir"], "eval")
+    line, = ax.plot([r["cumulative_flops"] for r in train_rows], [r["loss"] for r in train_rows],
+                    label=f"{row['run']} (train)", alpha=0.8)
+    if evals:
+      ax.plot([r["cumulative_flops"] for r in evals], [r["loss"] for r in evals], "o", color=line.get_color(),
+              label=f"{row['run']} (eval)")
+  stacked = next(r for r in rows if r["run"] != "baseline")
+  flops_at = {r["step"]: r["cumulative_flops"] for r in read_metrics(stacked["workdir"], "train")}
+  for i, g in enumerate(growths):
+    x = flops_at.get(g["step"])
+    if x is not None:
+      ax.axvline(x, color="gray", linestyle="--", linewidth=0.8,
+                 label="stage boundary" if i == 0 else None)
+  ax.set_xlabel("training FLOPs")
+  ax.set_ylabel("loss")
+  ax.set_title("loss against training compute")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def compare(config: RunConfig, workdir: str, operative_config: str = "") -> Dict[str, object]:
+  workdir = loop.prepare_workdir(workdir)
+  rows, growths = [], []
+  for name, cfg in run_pair(config).items():
+    result = loop.train(cfg, os.path.join(workdir, name), operative_config=operative_config)
+    rows.append(summarize(name, result))
+    growths = result.growths or growths
+  baseline, stacked = rows
+  report = {"runs": rows, "growths": growths,
+            "measured_speedup": baseline["train_seconds"] / max(stacked["train_seconds"], 1e-9),
+            "flop_ratio": baseline["total_flops"] / stacked["total_flops"]}
+  with open(os.path.join(workdir, "comparison.json"), "w") as f:
+    json.dump(report, f, indent=2)
+  table = markdown_table(rows)
+  with open(os.path.join(workdir, "comparison.md"), "w") as f:
+    f.write(table + "\n")
+  plot_loss_vs_flops(rows, growths, os.path.join(workdir, "loss_vs_flops.png"))
+  report["table"] = table
+  return report

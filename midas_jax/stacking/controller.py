@@ -1,0 +1,115 @@
+"""The stage controller: which model (depth) trains at each step, and growing the state between stages.
+
+A stage is an Experiment at that stage's depth (its own model, shardings and jitted steps); all
+stages share the vocabulary and the step-addressed data pipeline. At a boundary the controller
+computes the operator's provenance map, builds the deeper experiment, and grows the TrainState with
+one jitted gather whose out_shardings are the new model's (grow.py). The layer lineage, which layer
+each current layer was born as, is a pure function of the operator and the stage, so a resumed run
+recomputes it rather than storing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import jax
+import numpy as np
+
+from midas_jax.configs import RunConfig
+from midas_jax.stacking import operators
+from midas_jax.stacking.grow import make_grower
+from midas_jax.stacking.schedule import (StageSchedule, cumulative_flops, flop_speedup,
+                                        layer_only_speedup_of, schedule_from_config)
+from midas_jax.train.experiment import Experiment, build_experiment, load_data
+from midas_jax.train.state import TrainState
+
+
+@dataclasses.dataclass
+class Stage:
+  """One stage's experiment and its jitted steps."""
+
+  index: int  # 1-indexed
+  experiment: Experiment
+  train_step: Callable
+  eval_step: Callable
+
+  @property
+  def depth(self) -> int:
+    return self.experiment.model_config.num_layers
+
+
+class StageController:
+  """Owns the stage schedule of a run and moves a TrainState from one stage to the next."""
+
+  def __init__(self, config: RunConfig, devices=None):
+    self.config = config
+    self.devices = devices
+    self.schedule: StageSchedule = schedule_from_config(config.stacking, config.trainer.num_steps,
+                                                        config.model.num_layers)
+    self.data = load_data(config)
+    self.model_config = config.model.with_vocab(self.data[0].vocab_size)  # the final depth's
+    self.growths: List[Dict[str, Any]] = []
+
+  @property
+  def block_size(self) -> int:
+    return self.schedule.block_size
+
+  def stage(self, index: int) -> Stage:
+    """Builds (and jits) the experiment of stage `index` (1-indexed)."""
+    depth = self.schedule.depths[index - 1]
+    exp = build_experiment(self.config, self.devices, data=self.data, num_layers=depth)
+    with exp.context():
+      return Stage(index, exp, exp.jit_train_step(), exp.jit_eval_step())
+
+  def stage_at(self, step: int) -> Stage:
+    return self.stage(self.schedule.stage_at(step))
+
+  def provenance(self, depth: int) -> np.ndarray:
+    return operators.provenance_for(self.config.stacking.operator, depth, self.block_size)
+
+  def grow(self, state: TrainState, current: Stage, step: int) -> tuple:
+    """(grown state, next stage). Fresh layers (provenance -1) take the new model's initial values."""
+    start = time.time()
+    prov = self.provenance(current.depth)
+    nxt = self.stage(current.index + 1)
+    grower = make_grower(current.experiment.layout, nxt.experiment.layout, prov,
+                         self.config.stacking.new_moments)
+    fresh = nxt.experiment.init_state() if (prov < 0).any() else None
+    with nxt.experiment.context():
+      state = grower(state, fresh)
+    jax.block_until_ready(state.params)
+    self.growths.append({"step": step, "stage": nxt.index, "from_depth": current.depth, "to_depth": nxt.depth,
+                         "provenance": prov.tolist(), "seconds": round(time.time() - start, 3)})
+    return state, nxt
+
+  def lineage(self, stage: int) -> List[operators.LayerRecord]:
+    """The birth record of every layer of `stage`, replayed from stage 1."""
+    records = operators.initial_lineage(self.schedule.depths[0])
+    for s in range(2, stage + 1):
+      records = operators.compose_lineage(records, self.provenance(self.schedule.depths[s - 2]), s)
+    return records
+
+  def cumulative_flops(self, step: int) -> float:
+    """Training FLOPs of steps [0, step): compare runs at equal compute with this."""
+    data = self.config.data
+    return cumulative_flops(self.model_config, data.seq_len, data.batch_size * data.seq_len, self.schedule, step)
+
+  def describe(self, step: Optional[int] = None) -> Dict[str, Any]:
+    """What `midas inspect` prints: the schedule, speedups, growths so far and each layer's birth."""
+    step = self.config.trainer.num_steps if step is None else step
+    stage = self.schedule.stage_at(min(step, self.config.trainer.num_steps - 1))
+    return {
+        "step": step,
+        "stage": stage,
+        "num_stages": self.schedule.num_stages,
+        "depth": self.schedule.depths[stage - 1],
+        "block_size": self.block_size,
+        "operator": self.config.stacking.operator,
+        "schedule": self.schedule.to_dict(),
+        "speedup": {"layer_only": layer_only_speedup_of(self.schedule),
+                    "flops": flop_speedup(self.model_config, self.config.data.seq_len, self.schedule)},
+        "growths": self.growths,
+        "layers": [dict(r.to_dict(), layer=i) for i, r in enumerate(self.lineage(stage))],
+    }

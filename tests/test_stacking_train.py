@@ -1,0 +1,75 @@
+"""Training that grows: stages, growth in the loop, metrics at equal compute, `midas inspect`."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import tiny_model
+from midas_jax import cli, configs
+from midas_jax.train import loop
+from midas_jax.train.metrics import read_metrics
+
+
+def stacked_run(operator="midas", **stacking):
+  return configs.RunConfig(
+      model=tiny_model(num_layers=4), mesh=configs.MeshConfig(),
+      optimizer=configs.OptimizerConfig(learning_rate=3e-3, warmup_steps=2),
+      data=configs.DataConfig(seq_len=32, batch_size=8),
+      trainer=configs.TrainerConfig(num_steps=8, log_every=1, eval_every=8, eval_batches=1,
+                                    progress_bar=False, peak_flops_per_device=1e11),
+      stacking=configs.StackingConfig(operator=operator, **stacking))
+
+
+@pytest.mark.parametrize("operator, provenance", [("midas", [0, 1, 0, 1]), ("gradstack", [0, 1, 0, 1])])
+def test_two_stage_run_grows_at_the_boundary(tmp_path, capsys, operator, provenance):
+  config = stacked_run(operator, num_stages=2, stage_steps=(3, 5))
+  result = loop.train(config, str(tmp_path))
+  rows = read_metrics(str(tmp_path), "train")
+  assert [r["depth"] for r in rows] == [2, 2, 2, 4, 4, 4, 4, 4]
+  assert [r["stage"] for r in rows] == [1, 1, 1, 2, 2, 2, 2, 2]
+  flops = [r["cumulative_flops"] for r in rows]
+  per_step = np.diff([0] + flops)
+  assert np.all(per_step[:3] == per_step[0]) and np.all(per_step[3:] == per_step[3])
+  assert per_step[3] > 1.5 * per_step[0]  # twice the layers, plus the same embedding/head cost
+  assert all(np.isfinite(r["loss"]) for r in rows)
+  assert result.growths[0]["step"] == 3 and result.growths[0]["provenance"] == provenance
+  stages = json.loads((tmp_path / "stages.json").read_text())
+  assert stages["depth"] == 4 and stages["stage"] == 2 and stages["block_size"] == 2
+  assert [l["origin"] for l in stages["layers"]] == [0, 1, 0, 1]
+  assert [l["born_stage"] for l in stages["layers"]] == [1, 1, 2, 2]
+  capsys.readouterr()
+  assert cli.main(["inspect", f"--workdir={tmp_path}"]) == 0
+  printed = json.loads(capsys.readouterr().out)
+  assert printed["schedule"]["stage_steps"] == [3, 5] and printed["config"]["stacking"]["operator"] == operator
+
+
+def test_rewarm_restarts_the_learning_rate_after_growth(tmp_path):
+  config = stacked_run("midas", num_stages=2, stage_steps=(4, 4), lr_schedule="rewarm", rewarm_steps=2)
+  loop.train(config, str(tmp_path))
+  lr = [r["learning_rate"] for r in read_metrics(str(tmp_path), "train")]
+  assert lr[4] < lr[3] and lr[5] > lr[4]  # step 4 is the first of stage 2: half-way up the ramp
+  global_run = stacked_run("midas", num_stages=2, stage_steps=(4, 4))
+  loop.train(global_run, str(tmp_path / "global"))
+  lr_global = [r["learning_rate"] for r in read_metrics(str(tmp_path / "global"), "train")]
+  assert lr_global[4] == pytest.approx(2 * lr[4], rel=1e-5) and lr_global[5] == pytest.approx(lr[5], rel=1e-5)
+
+
+def test_inspect_without_a_run_is_a_clear_error(tmp_path, capsys):
+  assert cli.main(["inspect", f"--workdir={tmp_path}"]) == 2
+  assert "--workdir" in capsys.readouterr().err
+
+
+def test_compare_trains_the_pair_and_writes_table_and_plot(tmp_path):
+  from midas_jax import compare  # pylint: disable=import-outside-toplevel
+  report = compare.compare(stacked_run("midas", num_stages=2, stage_steps=(4, 4)), str(tmp_path))
+  base, stacked = report["runs"]
+  assert base["run"] == "baseline" and stacked["run"] == "midas"
+  assert base["steps"] == stacked["steps"] == 8
+  assert report["flop_ratio"] > 1.2 and stacked["total_flops"] < base["total_flops"]
+  for row in (base, stacked):
+    assert row["final_eval_loss"] is not None and row["eval_loss/causal"] is not None
+  assert "| baseline |" in (tmp_path / "comparison.md").read_text()
+  png = (tmp_path / "loss_vs_flops.png").read_bytes()
+  assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+  assert json.loads((tmp_path / "comparison.json").read_text())["growths"][0]["step"] == 4
