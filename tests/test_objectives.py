@@ -242,3 +242,36 @@ def test_numpy_only():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "False"
 
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(2, 150), densities, means), min_size=1, max_size=6), seeds)
+def test_many_examples_at_once_equal_one_at_a_time(cases, seed):
+  """span_layout over a batch (what the pipeline runs) equals span_corruption example by example."""
+  rng = np.random.default_rng(seed)
+  counts = [obj._noise_counts(n, d, mu) for n, d, mu in cases]
+  lengths = np.array([n for n, _, _ in cases])
+  noise, spans = np.array([c[0] for c in counts]), np.array([c[1] for c in counts])
+  keys = obj.random_keys(rng, len(cases), int(lengths.max()) + 3)  # extra columns are ignored
+  tokens = rng.integers(3, TEXT_MAX, 2000).astype(np.int32)
+  in_offsets = rng.integers(0, 2000 - 150, len(cases))
+  out_lengths = lengths + 2 * spans
+  out_offsets = np.cumsum(out_lengths + rng.integers(0, 4, len(cases))) - out_lengths  # gaps between
+  src, dest, size, sentinel_dest, rank = obj.span_layout(lengths, noise, spans, keys, in_offsets, out_offsets)
+  out = np.full(int(out_offsets[-1] + out_lengths[-1]), -1)
+  out[obj.ranges(dest, size)] = tokens[obj.ranges(src, size)]
+  out[sentinel_dest] = np.asarray(SENTINELS)[rank]
+  assert (out >= 0).sum() == out_lengths.sum()  # nothing written twice or outside the examples
+
+  class Keys:  # hands span_corruption the example's own row of keys
+    def __init__(self, row):
+      self.row = row
+
+    def integers(self, *args, **kwargs):  # pylint: disable=unused-argument
+      return self.row[None, :]
+
+  for e, (n, d, mu) in enumerate(cases):
+    inputs, targets = obj.span_corruption(tokens[in_offsets[e]:in_offsets[e] + n], Keys(keys[e, :n]), d, mu,
+                                          SENTINELS)
+    np.testing.assert_array_equal(out[out_offsets[e]:out_offsets[e] + out_lengths[e]],
+                                  np.concatenate([inputs, targets]))

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from midas_jax.data.packing import (FIELD_DTYPES, FIELDS, Example, empty_rows, pack_row, packing_efficiency,
-                                    stack_rows)
+from midas_jax.data.packing import (FIELD_DTYPES, FIELDS, Example, empty_rows, pack_row, pack_rows,
+                                    packing_efficiency, stack_rows)
 
 MAX_LEN = 24
 
@@ -143,3 +143,23 @@ def test_packing_efficiency_extremes():
   assert packing_efficiency(full) == 1.0
   half = stack_rows([pack_row([Example(np.arange(3, 11, dtype=np.int32))], 16)] * 2)
   assert packing_efficiency(half) == 0.5
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(fitting_row(), min_size=1, max_size=5))
+def test_pack_rows_equals_pack_row_row_by_row(cases):
+  """pack_rows (the pipeline's path, all rows at once) builds exactly what pack_row builds."""
+  seq_len = max(s for _, s in cases)
+  t = max(len(examples) for examples, _ in cases)
+  targets = np.zeros((len(cases), seq_len), np.int32)
+  per_example = np.zeros((3, len(cases), t), np.int64)  # length 0: no example
+  for r, (examples, _) in enumerate(cases):
+    if examples:
+      targets[r, :sum(len(e.tokens) for e in examples)] = np.concatenate([e.tokens for e in examples])
+    for i, e in enumerate(examples):
+      per_example[:, r, i] = len(e.tokens), e.prefix_len, e.objective_id
+  batch = pack_rows(targets, *per_example)
+  expected = stack_rows([pack_row(examples, seq_len) for examples, _ in cases])
+  for f in FIELDS:
+    assert batch[f].dtype == FIELD_DTYPES[f]
+    np.testing.assert_array_equal(batch[f], expected[f], err_msg=f)

@@ -325,3 +325,70 @@ def test_row_invariants_hold_for_any_step_and_mixture(documents, seed, step, seq
 def test_too_few_extra_ids_for_the_sentinels_is_refused(documents):
   with pytest.raises(ConfigError, match="DataConfig.extra_ids"):
     Pipeline(DataConfig(extra_ids=50), documents, ByteVocabulary(50).vocab_size)
+
+
+# ----------------------------------------------------------------------------- speed machinery
+
+from midas_jax.data import streams  # noqa: E402
+
+
+def test_span_examples_have_the_t5_counts(documents):
+  cfg = DataConfig(seq_len=256, batch_size=16, span_denoisers=UL2_FULL, mode_tokens=False)
+  pipeline = Pipeline(cfg, documents, VOCAB_SIZE)
+  sentinels = set(pipeline.special.sentinel_ids)
+  spans = 0
+  for step in range(4):
+    for obj, tokens, prefix_len in examples_of(pipeline.batch(step)):
+      if obj != 2:
+        continue
+      inputs, targets = tokens[:prefix_len], tokens[prefix_len:]
+      n = int(np.isin(targets, list(sentinels)).sum())
+      raw = len(tokens) - 2 * n
+      # Some (mu, r) of the mixture fits these counts: the lengths alone decide them.
+      assert any(objectives.num_spans(raw, r, mu) == n and
+                 len(targets) - n == objectives._noise_counts(raw, r, mu)[0] for mu, r in UL2_FULL)
+      assert list(targets[np.isin(targets, list(sentinels))]) == list(pipeline.special.sentinel_ids[:n])
+      assert int(inputs[-1]) == pipeline.special.sentinel_ids[n - 1]  # the last token is noise
+      spans += n
+  assert spans > 100
+
+
+def test_steps_built_in_one_block_are_handed_out_once_and_equal_cold_builds(documents):
+  pipeline = Pipeline(DataConfig(seq_len=64, batch_size=4), documents, VOCAB_SIZE)
+  first = pipeline.batch(10)  # builds a block of steps 10, 11, ...
+  kept = {f: v.copy() for f, v in first.items()}
+  first["targets"][:] = -1  # a consumer's change reaches no later answer
+  assert_batches_equal(pipeline.batch(10), kept)
+  for step in (11, 12, 30, 11):
+    cold = Pipeline(DataConfig(seq_len=64, batch_size=4), documents, VOCAB_SIZE).batch(step)
+    assert_batches_equal(pipeline.batch(step), cold)
+
+
+def test_counter_streams_are_uniform_and_address_rows_alone():
+  key = streams.split_key(0, 0)
+  u = streams.uniforms(key, streams.positions(np.arange(1000)[:, None], np.arange(100)))
+  assert u.shape == (1000, 100) and 0 <= u.min() and u.max() < 1
+  counts = np.bincount((u * 20).astype(int).ravel(), minlength=20)
+  assert ((counts - 5000) ** 2 / 5000).sum() < 45.3  # chi2(df=19) at p = 0.001
+  assert abs(np.corrcoef(u[:, :-1].ravel(), u[:, 1:].ravel())[0, 1]) < 0.01  # neighbouring counters
+  # A row's draws are the same whoever else is drawn with it; other seeds and splits differ.
+  np.testing.assert_array_equal(streams.bits(key, streams.positions(7, np.arange(5))),
+                                streams.bits(key, streams.positions(np.array([[3], [7]]), np.arange(5)))[1])
+  for other in (streams.split_key(1, 0), streams.split_key(0, 1)):
+    assert not np.array_equal(streams.bits(other, np.arange(5)), streams.bits(key, np.arange(5)))
+  top = np.full(10, 1 - 2.0**-53)
+  assert np.all(streams.below(top, np.arange(1, 11)) == np.arange(10))  # never n
+
+
+def test_span_masks_from_counter_keys_are_uniform():
+  # The pipeline's keys come from streams, not a numpy Generator: the law must hold for them too.
+  # L=12, density 0.5, mean 2: 6 noise tokens in 3 spans, 6 non-noise in 3: C(5,2)^2 = 100 masks.
+  import collections  # pylint: disable=import-outside-toplevel
+  n = 20_000
+  keys = streams.bits(streams.split_key(3, 0), streams.positions(np.arange(n)[:, None], np.arange(12)))
+  src, _, size, _, _ = objectives.span_layout(np.full(n, 12), np.full(n, 6), np.full(n, 3), keys)
+  mask = np.zeros(n * 12, bool)
+  mask[objectives.ranges(src[:3 * n], size[:3 * n])] = True  # the noise spans come first
+  draws = collections.Counter(m.tobytes() for m in mask.reshape(n, 12))
+  assert len(draws) == 100
+  assert sum((c - 200) ** 2 / 200 for c in draws.values()) < 148.2  # chi2(df=99) at p = 0.001

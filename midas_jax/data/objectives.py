@@ -31,10 +31,12 @@ example has no inputs and gets none. Sentinels and mode tokens are the vocabular
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from midas_jax.data import streams
 from midas_jax.data.packing import Example
 from midas_jax.errors import ConfigError
 
@@ -97,16 +99,134 @@ def max_raw_length(budget: int, noise_density: float = 0.15, mean_noise_span_len
   return lo
 
 
+@functools.lru_cache(maxsize=None)
+def span_count_table(max_length: int, noise_density: float,
+                     mean_noise_span_length: float) -> Tuple[np.ndarray, np.ndarray]:
+  """(noise tokens, spans) for every length 0..max_length, read-only: the counts depend on the
+  length alone, so the pipeline looks them up instead of rounding float32 per example."""
+  counts = np.array([_noise_counts(n, noise_density, mean_noise_span_length)
+                     for n in range(max_length + 1)], np.int64).reshape(-1, 2)
+  noise, spans = counts[:, 0].copy(), counts[:, 1].copy()
+  noise.flags.writeable = spans.flags.writeable = False
+  return noise, spans
+
+
 # ----------------------------------------------------------------------------- random parts
+#
+# Everything random here is written for many examples at once (the pipeline corrupts a whole batch
+# in one call) and takes its randomness as arrays: uint64 keys, one per token, and uniforms. The
+# one-example functions below draw those from a numpy Generator and call the same code, so the
+# tests of the law (tests/test_objectives.py, tests/test_t5_reference.py) test what trains.
+
+_INDEX_BITS = 20
+MAX_LENGTH = (1 << _INDEX_BITS) - 1  # items per row of _random_runs: a key's low bits hold the index
+_INDEX_MASK = np.uint64(MAX_LENGTH)
+_NEVER = np.uint64(np.iinfo(np.uint64).max)
+
+
+def random_keys(rng: np.random.Generator, *shape: int) -> np.ndarray:
+  """iid uniform uint64 keys of the given shape."""
+  return rng.integers(0, 1 << 64, shape, dtype=np.uint64)
+
+
+def ranges(starts, sizes) -> np.ndarray:
+  """The ranges [starts[i], starts[i] + sizes[i]), one after another."""
+  starts, sizes = np.asarray(starts, np.int64), np.asarray(sizes, np.int64)
+  return np.arange(int(sizes.sum())) + (starts - (sizes.cumsum() - sizes)).repeat(sizes)
+
+
+def _random_runs(sizes, runs, keys: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+  """Uniformly random compositions of groups of items, many at once.
+
+  Row r holds groups g = 0, 1, ... (sizes, runs: (rows, groups)) of sizes[r, g] >= 1 items, one
+  after another. Group (r, g) is cut into runs[r, g] in [1, sizes[r, g]] runs of >= 1 item: its
+  item 0 starts a run, and runs-1 of its items 1..sizes-1, picked uniformly without replacement,
+  start the others, so all C(sizes-1, runs-1) compositions are equally likely (t5 shuffles a 0/1
+  vector instead; the same law). The picked items are those with the smallest keys: keys[r, i] is
+  an iid uniform uint64 for item i of row r (columns past the row's items are ignored), and one
+  sort per row finds them.
+  Returns (start, size), each (rows, groups, max(runs)): run j of group (r, g) starts at its item
+  start[r, g, j] and has size[r, g, j] items; for j >= runs[r, g], start = sizes[r, g], size = 0.
+  """
+  sizes, runs = np.asarray(sizes, np.int64), np.asarray(runs, np.int64)
+  (rows, groups), width = sizes.shape, keys.shape[1]
+  ends = sizes.cumsum(axis=1)
+  if width > MAX_LENGTH:
+    raise ValueError(f"rows of {width} items are longer than the {MAX_LENGTH} supported")
+  # Sort keys: the item's group in the top bits (a row sorts group by group; `groups` marks the
+  # columns past the row's items, which sort last), then random bits, then the item's index in the
+  # row (so keys are distinct: a tie of the random bits, 2**-42 per pair, goes to the lower index).
+  # A group's item 0 gets the group's largest key: never picked.
+  top = np.uint64(groups.bit_length())
+  group_bit = np.uint64(1) << (np.uint64(64) - top)
+  row = np.arange(rows)[:, None]
+  group = np.zeros((rows, width + 1), np.uint64)  # + 1 at each group's end, summed along the row
+  group[row, ends] = group_bit
+  sort_keys = (keys >> top) & ~_INDEX_MASK | np.arange(width, dtype=np.uint64)
+  sort_keys += group[:, :width].cumsum(axis=1, dtype=np.uint64)
+  sort_keys[row, ends - sizes] = np.arange(groups, dtype=np.uint64) * group_bit | (_NEVER >> top)
+  sort_keys.sort(axis=1)
+  # Group g's picks lead its block of the sorted row, which starts where its items start.
+  cols = int(runs.max())
+  at = np.minimum((ends - sizes)[:, :, None] + np.arange(cols - 1), width - 1)
+  picked = sort_keys.ravel()[row[:, :, None] * width + at] & _INDEX_MASK
+  start = np.zeros((rows, groups, cols), np.int64)
+  start[:, :, 1:] = picked.view(np.int64) - (ends - sizes)[:, :, None]
+  # Item 0 and the picks, in order: unused cells hold the group's size, past every start.
+  start = np.where(np.arange(cols) < runs[:, :, None], start, sizes[:, :, None])
+  start.sort(axis=2)
+  size = np.empty_like(start)
+  size[:, :, :-1] = start[:, :, 1:] - start[:, :, :-1]
+  size[:, :, -1] = sizes - start[:, :, -1]
+  return start, size
+
 
 def _random_segmentation(num_items: int, num_segments: int, rng: np.random.Generator) -> np.ndarray:
-  """Uniformly random composition of num_items into num_segments positive parts.
+  """Uniformly random composition of num_items into num_segments positive parts."""
+  return _random_runs([[num_items]], [[num_segments]], random_keys(rng, 1, num_items))[1][0, 0]
 
-  All C(num_items-1, num_segments-1) sets of cut points are equally likely (t5 shuffles a 0/1
-  vector with num_segments-1 ones; choosing the cuts directly is the same law).
+
+def span_layout(lengths, num_noise, num_spans, keys: np.ndarray, in_offsets=None, out_offsets=None):
+  """Where the spans and sentinels of many span-corrupted examples go, in T5's layout.
+
+  Example e is the tokens [in_offsets[e], in_offsets[e] + lengths[e]) of some token array; it has
+  num_noise[e] noise tokens in num_spans[e] >= 1 spans (_noise_counts). Its output takes positions
+  [out_offsets[e], out_offsets[e] + lengths[e] + 2 num_spans[e]) of some output array: the inputs
+  (each non-noise span followed by its sentinel), then the targets (each sentinel followed by its
+  noise span). Offsets default to the examples one after another. keys: (examples, >= max length)
+  iid uniform uint64 (random_keys); keys[e, :num_noise[e]] draw the noise span lengths and the
+  next keys the non-noise ones, each a uniform composition (t5's random_spans_noise_mask with
+  random_roll=False: spans alternate, non-noise first, so the last token is noise).
+
+  Returns (src, dest, size, sentinel_dest, sentinel_rank): span i moves as a block,
+  out[dest[i]:dest[i] + size[i]] = tokens[src[i]:src[i] + size[i]] (the noise spans of all examples
+  first, then the non-noise ones; some blocks are empty); out[sentinel_dest] =
+  sentinel_ids[sentinel_rank].
   """
-  cuts = np.sort(rng.choice(num_items - 1, size=num_segments - 1, replace=False) + 1)
-  return np.diff(np.concatenate([[0], cuts, [num_items]]))
+  length, noise, spans = (np.asarray(a, np.int64) for a in (lengths, num_noise, num_spans))
+  if in_offsets is None:
+    in_offsets = length.cumsum() - length
+  if out_offsets is None:
+    out_offsets = (length + 2 * spans).cumsum() - length - 2 * spans
+  in_offsets, out_offsets = np.asarray(in_offsets, np.int64), np.asarray(out_offsets, np.int64)
+  start, size = _random_runs(np.stack([noise, length - noise], 1), np.stack([spans, spans], 1), keys)
+  a_start, b_start = start[:, 0], start[:, 1]  # A[a], B[a]: where span a starts among the noise /
+  a_size, b_size = size[:, 0], size[:, 1]      # non-noise tokens; the spans' sizes
+  b_next = b_start + b_size                    # B[a+1]; B[spans] = #non-noise
+  a = np.arange(start.shape[2])
+  src_at, out_at = in_offsets[:, None], out_offsets[:, None]
+  targets_at = out_at + (length - noise + spans)[:, None]  # the inputs come first
+  # In the text, noise span a follows non-noise spans 0..a, non-noise span a follows noise spans
+  # 0..a-1. In the output, non-noise span a follows a sentinels in the inputs, noise span a follows
+  # a + 1 in the targets; sentinel a ends non-noise span a and starts noise span a.
+  noise_dest = targets_at + a_start + a + 1
+  src = np.concatenate([(src_at + a_start + b_next).ravel(), (src_at + b_start + a_start).ravel()])
+  dest = np.concatenate([noise_dest.ravel(), (out_at + b_start + a).ravel()])
+  used = a < spans[:, None]
+  sentinel_dest = np.concatenate([(out_at + b_next + a)[used], noise_dest[used] - 1])
+  rank = used.nonzero()[1]  # = a, span by span
+  size = np.concatenate([a_size.ravel(), b_size.ravel()])
+  return src, dest, size, sentinel_dest, np.concatenate([rank, rank])
 
 
 def random_spans_noise_mask(length: int, noise_density: float, mean_noise_span_length: float,
@@ -114,16 +234,14 @@ def random_spans_noise_mask(length: int, noise_density: float, mean_noise_span_l
   """Boolean mask of `length` tokens: alternating non-noise/noise spans, non-noise first.
 
   Noise and non-noise span lengths are independent uniform segmentations, so the last token is
-  always noise (t5's random_roll=False).
+  always noise (t5's random_roll=False). The same draw as span_corruption's from the same rng.
   """
   num_noise, spans = _noise_counts(length, noise_density, mean_noise_span_length)
-  if spans == 0:
-    return np.zeros(length, bool)
-  noise = _random_segmentation(num_noise, spans, rng)
-  nonnoise = _random_segmentation(length - num_noise, spans, rng)
-  lengths = np.stack([nonnoise, noise], axis=1).reshape(-1)
-  is_noise = np.tile([False, True], spans)
-  return np.repeat(is_noise, lengths)
+  mask = np.zeros(length, bool)
+  if spans:
+    src, _, size, _, _ = span_layout([length], [num_noise], [spans], random_keys(rng, 1, length))
+    mask[ranges(src[:spans], size[:spans])] = True  # the noise spans come first
+  return mask
 
 
 def span_corruption(tokens, rng: np.random.Generator, noise_density: float = 0.15,
@@ -133,23 +251,25 @@ def span_corruption(tokens, rng: np.random.Generator, noise_density: float = 0.1
   `sentinel_ids[k] span_k` in the targets. sentinel_ids (SpecialTokens.sentinel_ids) must hold at
   least num_spans(len(tokens), ...) ids."""
   tokens = np.asarray(tokens, np.int32)
-  mask = random_spans_noise_mask(len(tokens), noise_density, mean_noise_span_length, rng)
-  prev = np.concatenate([[False], mask[:-1]])
-  first = mask & ~prev  # first token of each noise span
-  n = int(first.sum())
+  num_noise, n = _noise_counts(len(tokens), noise_density, mean_noise_span_length)
   if n > len(sentinel_ids):
     raise ValueError(f"{n} noise spans but only {len(sentinel_ids)} sentinel ids: use a shorter "
                      "sequence (max_raw_length(..., max_spans=...)) or more sentinels")
-  sentinels = np.asarray(sentinel_ids[:n], np.int32)
-  span = np.cumsum(first) - 1  # span index of each noise token
-  inputs = np.where(first, sentinels[np.maximum(span, 0)] if n else 0, tokens)[~(mask & prev)]
-  # Targets: noise token with rank r (among noise tokens) in span k sits at r + k + 1, after the
-  # k + 1 sentinels so far; sentinel k sits just before its span's first token.
-  noise_at = np.flatnonzero(mask)
-  targets = np.empty(len(noise_at) + n, np.int32)
-  targets[np.arange(len(noise_at)) + span[noise_at] + 1] = tokens[noise_at]
-  targets[np.flatnonzero(first[noise_at]) + np.arange(n)] = sentinels
-  return inputs.astype(np.int32), targets
+  if n == 0:
+    return tokens.copy(), np.zeros(0, np.int32)
+  src, dest, size, sentinel_dest, rank = span_layout([len(tokens)], [num_noise], [n],
+                                                     random_keys(rng, 1, len(tokens)))
+  out = np.empty(len(tokens) + 2 * n, np.int32)
+  out[ranges(dest, size)] = tokens[ranges(src, size)]
+  out[sentinel_dest] = np.asarray(sentinel_ids[:n], np.int32)[rank]
+  split = len(tokens) - num_noise + n
+  return out[:split], out[split:]
+
+
+def prefix_lengths(lengths, uniforms) -> np.ndarray:
+  """Prefix lengths uniform over [1, L-1] from uniforms in [0, 1); 0 where L < 2."""
+  lengths = np.asarray(lengths, np.int64)
+  return np.where(lengths >= 2, 1 + streams.below(uniforms, lengths - 1), 0)
 
 
 def prefix_lm_split(length: int, rng: np.random.Generator) -> int:
@@ -160,9 +280,7 @@ def prefix_lm_split(length: int, rng: np.random.Generator) -> int:
   [1, L-1]. Lower densities (a narrower range) are not offered here. For L = 1 t5 also gives an
   empty prefix. Unlike Levanter's UL2R, no sentinel is inserted at the split (as in seqio).
   """
-  if length < 2:
-    return 0
-  return int(rng.integers(1, length))
+  return int(prefix_lengths(length, rng.random()))
 
 
 # ----------------------------------------------------------------------------- denoisers

@@ -37,26 +37,65 @@ def empty_rows(num_rows: int, seq_len: int) -> Dict[str, np.ndarray]:
 
 def pack_row(examples: Sequence[Example], seq_len: int) -> Dict[str, np.ndarray]:
   """Writes examples one after another into a single row; they must fit."""
-  row = {k: v[0] for k, v in empty_rows(1, seq_len).items()}
+  targets = np.zeros((1, seq_len), FIELD_DTYPES["targets"])
   start = 0
-  for segment, ex in enumerate(examples, start=1):
+  for ex in examples:
     n = len(ex.tokens)
     if not 0 <= ex.prefix_len <= n:
       raise ValueError(f"prefix_len {ex.prefix_len} is outside [0, {n}] for an example of {n} tokens")
-    end = start + n
-    if end > seq_len:
-      raise ValueError(f"examples need {end} tokens, more than the row length {seq_len}")
-    span = slice(start, end)
-    row["targets"][span] = ex.tokens
-    row["inputs"][start + 1:end] = ex.tokens[:-1]
-    row["positions"][span] = np.arange(n)
-    row["segment_ids"][span] = segment
-    if ex.prefix_len > 0:
-      row["prefix_mask"][start:min(start + ex.prefix_len + 1, end)] = True  # never past the segment
-    row["loss_weights"][start + ex.prefix_len:end] = 1.0
-    row["objective_ids"][span] = ex.objective_id
-    start = end
-  return row
+    if start + n > seq_len:
+      raise ValueError(f"examples need {start + n} tokens, more than the row length {seq_len}")
+    targets[0, start:start + n] = ex.tokens
+    start += n
+
+  def per_example(f):
+    return np.asarray([[f(ex) for ex in examples]], np.int64).reshape(1, len(examples))
+
+  rows = pack_rows(targets, per_example(lambda ex: len(ex.tokens)), per_example(lambda ex: ex.prefix_len),
+                   per_example(lambda ex: ex.objective_id))
+  return {k: v[0] for k, v in rows.items()}
+
+
+def pack_rows(targets: np.ndarray, lengths: np.ndarray, prefix_lens: np.ndarray,
+              objective_ids: np.ndarray) -> Dict[str, np.ndarray]:
+  """All fields of many rows at once, from their tokens.
+
+  targets (rows, seq_len): each row's examples one after another from slot 0, zeros after them.
+  lengths, prefix_lens, objective_ids (rows, T): each row's examples in order; example t of a row
+  is segment t + 1 (a length-0 entry holds no token, so put them after the row's last example).
+  """
+  targets = np.asarray(targets, FIELD_DTYPES["targets"])
+  num_rows, seq_len = targets.shape
+  lengths, prefix_lens = np.asarray(lengths, np.int64), np.asarray(prefix_lens, np.int64)
+  used = lengths.sum(axis=1)
+  if (used > seq_len).any():
+    raise ValueError(f"examples need {int(used.max())} tokens, more than the row length {seq_len}")
+  if ((prefix_lens < 0) | (prefix_lens > lengths)).any():
+    raise ValueError("a prefix_len is outside [0, length] for its example")
+
+  # Pieces tile the flattened batch: each row's examples, then its padding. Per piece: its size,
+  # first slot, segment id (padding 0), last bidirectional position (BOS and the prefix; -1: none),
+  # first position with loss (padding: none) and objective id, each then repeated over its slots.
+  t = lengths.shape[1]
+  piece = np.zeros((6, num_rows, t + 1), np.int32)
+  piece[0, :, :t], piece[0, :, t] = lengths, seq_len - used
+  piece[2, :, :t] = np.arange(1, t + 1)
+  piece[3, :, :t], piece[3, :, t] = np.where(prefix_lens > 0, prefix_lens, -1), -1
+  piece[4, :, :t], piece[4, :, t] = prefix_lens, seq_len
+  piece[5, :, :t] = objective_ids
+  sizes = piece[0].ravel()
+  piece[1] = (sizes.cumsum(dtype=np.int32) - sizes).reshape(num_rows, t + 1)
+  first, segment_ids, bidir_last, loss_first, objective = piece[1:].reshape(5, -1).repeat(sizes, axis=1)
+  positions = np.arange(num_rows * seq_len, dtype=np.int32) - first
+  positions *= segment_ids > 0  # padding: 0
+  flat = targets.reshape(-1)
+  inputs = np.empty_like(flat)
+  inputs[1:] = flat[:-1]
+  inputs[positions == 0] = 0  # BOS at each example's start; padding stays 0
+  rows = {"inputs": inputs, "targets": flat, "positions": positions, "segment_ids": segment_ids,
+          "prefix_mask": positions <= bidir_last,
+          "loss_weights": (positions >= loss_first).astype(np.float32), "objective_ids": objective}
+  return {f: rows[f].reshape(num_rows, seq_len) for f in FIELDS}
 
 
 def stack_rows(rows: Iterable[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:

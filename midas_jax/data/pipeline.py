@@ -1,8 +1,8 @@
 """Step-addressed UL2 batches: the global batch at step s is a pure function of (data config, seed, s).
 
-Row r of step s is built from its own random stream, seeded by (seed, split, s * batch_size + r),
-so any process can build exactly its own rows, resuming needs no iterator state, and changing the
-number of processes changes nothing (DESIGN.md, decision 5).
+Row r of step s is built from its own random draws, addressed by (seed, split, s * batch_size + r)
+(streams.py), so any process can build exactly its own rows, resuming needs no iterator state, and
+changing the number of processes changes nothing (DESIGN.md, decision 5).
 
 A row is filled example by example until fewer than `min_chunk` slots remain. Each example picks
 its objective (causal / prefix LM / one of the span denoisers) at the configured rates, then a
@@ -10,18 +10,25 @@ document uniformly with replacement. A document longer than the objective can fi
 left contributes a random window of it; the window's raw length is chosen so that the example
 after corruption (sentinels, mode token) fills the space exactly, which keeps packing dense.
 Documents of a single token cannot be split: prefix LM and span corruption use them as causal LM.
+
+For speed (one core must feed training many times over) rows are built many at once, a few steps
+when batches are small: the fill loop runs over example slots with every row in step, the rest is
+vectorized over all their examples (objectives.span_layout corrupts them in one call), and tokens
+move once, from one flat pool per split. The draws are counter-based (streams.py), so no random
+generator is seeded per row.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
 from midas_jax.configs import DataConfig
-from midas_jax.data import objectives
-from midas_jax.data.packing import Example, pack_row, stack_rows
+from midas_jax.data import objectives, streams
+from midas_jax.data.packing import pack_rows
 from midas_jax.errors import require
 
 SPLITS = {"train": 0, "validation": 1}
@@ -58,6 +65,16 @@ def mixture(config: DataConfig) -> List[MixtureEntry]:
   return entries
 
 
+# Counters of a row's stream (streams.py): example slot t draws at 4t + (objective, document,
+# window start, prefix split); the span key of the token at row slot i is 4 * seq_len + i.
+_DRAWS_PER_SLOT = 4
+_SLOTS_PER_DRAW = 4  # example slots drawn at a time: rows of ~256 tokens rarely hold more
+_BLOCK_SLOTS, _BLOCK_STEPS = 1 << 15, 8  # Pipeline.batch builds up to 8 steps to fill 32768 slots
+_SLOT_COUNTERS = (_DRAWS_PER_SLOT * np.arange(_SLOTS_PER_DRAW)[:, None, None]
+                  + np.arange(_DRAWS_PER_SLOT)[:, None])  # (slots, draws, 1)
+CAUSAL_ID, PREFIX_ID, SPAN_ID = (objectives.OBJECTIVE_IDS[k] for k in ("causal", "prefix", "span"))
+
+
 class Pipeline:
   """Packed UL2 rows over tokenized documents, addressed by (split, step, row)."""
 
@@ -65,73 +82,174 @@ class Pipeline:
     for split, docs in documents.items():
       require(len(docs) > 0, "DataConfig", f"the {split} split has no documents",
               "check the data source (DataConfig.source / train_files / eval_files)")
+    require((_DRAWS_PER_SLOT + 2) * config.seq_len < 1 << streams.ROW_BITS, "DataConfig.seq_len",
+            f"{config.seq_len} needs more random draws per row than a row has", "use seq_len < 2,000,000")
     self.config = config
     self.documents = documents
     self.special = objectives.special_tokens(vocab_size, config.extra_ids, config.num_sentinels)
     self.entries = mixture(config)
-    self._span_budgets = {e.denoiser.name: self._span_budget_table(e.denoiser)
-                          for e in self.entries if e.denoiser.kind == "span"}
     self._cumulative = np.cumsum([e.probability for e in self.entries])
     self._cumulative[-1] = 1.0
+    self._tables()
+    self._keys = {split: streams.split_key(config.seed, i) for split, i in SPLITS.items()}
+    self._pools = {split: _Pool(docs) for split, docs in documents.items()}
+    self._cache: Dict[tuple, Dict[int, Dict[str, np.ndarray]]] = {}  # (split, process) -> step -> batch
+    self._lock = threading.Lock()  # batch() may be called from a prefetch thread and the main one
+    self._sentinel_ids = np.asarray(self.special.sentinel_ids, np.int32)
 
-  def _row_rng(self, split: str, global_row: int) -> np.random.Generator:
-    return np.random.default_rng([self.config.seed, SPLITS[split], global_row])
-
-  def _raw_budget(self, denoiser: objectives.Denoiser, space: int) -> int:
-    """The longest raw window whose finished example fits in `space` slots."""
-    mode = int(self.config.mode_tokens and denoiser.kind != "causal")
-    if denoiser.kind != "span":
-      return space - mode
-    return int(self._span_budgets[denoiser.name][space - mode])
+  def _tables(self):
+    """What the fill loop and the layout look up instead of computing per example, for each mixture
+    entry e and length i in [0, seq_len], flattened at e * (seq_len + 1) + i:
+      budget     the longest raw window whose example fits in i slots (0 when under 2 tokens fit,
+                 which ends the row)
+      for a raw length i (under 2 tokens: causal LM, no mode token):
+      kind       the objective id
+      mode_id    the mode token leading the example, 0 for none
+      length     the example's length: the raw tokens, 2 sentinels per span, the mode token
+      prefix     its prefix length when no draw decides it (causal 0, span [mode] + inputs)
+      num_noise, num_spans   of span corruption
+    """
+    cfg, s = self.config, self.config.seq_len
+    raw = np.arange(s + 1)
+    t = {k: np.zeros((len(self.entries), s + 1), np.int64)
+         for k in ("budget", "kind", "mode_id", "length", "prefix", "num_noise", "num_spans")}
+    for i, entry in enumerate(self.entries):
+      d = entry.denoiser
+      mode = int(cfg.mode_tokens and d.kind != "causal" and d.mode is not None)
+      t["kind"][i], t["mode_id"][i] = objectives.OBJECTIVE_IDS[d.kind], mode and self.special.mode_ids[d.mode]
+      if d.kind == "span":
+        t["num_noise"][i], t["num_spans"][i] = objectives.span_count_table(
+            s, d.noise_density, d.mean_noise_span_length)
+        t["prefix"][i] = mode + raw - t["num_noise"][i] + t["num_spans"][i]
+      t["length"][i] = raw + 2 * t["num_spans"][i] + mode
+      fits = self._span_budget_table(d) if d.kind == "span" else raw
+      t["budget"][i, mode:] = fits[:s + 1 - mode]
+    t["budget"][t["budget"] < 2] = 0
+    t["kind"][:, :2] = t["mode_id"][:, :2] = t["prefix"][:, :2] = 0  # under 2 raw tokens: causal LM
+    t["length"][:, :2] = raw[:2]
+    self._table = {k: v.ravel() for k, v in t.items()}
 
   def _span_budget_table(self, denoiser: objectives.Denoiser) -> np.ndarray:
     """table[b] = the longest raw length whose corrupted length is <= b, for b in [0, seq_len].
 
     Span corruption also needs a sentinel per span: windows are capped so that they never need more
-    than num_sentinels (long rows with dense noise then hold several shorter examples). A table,
-    because this is asked once per example on the input hot path.
+    than num_sentinels (long rows with dense noise then hold several shorter examples).
     """
     d, mu = denoiser.noise_density, denoiser.mean_noise_span_length
     raw = np.arange(self.config.seq_len + 1)
-    spans = np.array([objectives.num_spans(int(n), d, mu) for n in raw])
+    spans = objectives.span_count_table(self.config.seq_len, d, mu)[1]
     usable = raw[spans <= self.config.num_sentinels]  # span counts only grow with length
     corrupted = usable + 2 * spans[usable]
     return usable[np.searchsorted(corrupted, raw, side="right") - 1]
 
-  def examples_for_row(self, split: str, global_row: int) -> List[Example]:
-    rng = self._row_rng(split, global_row)
-    docs = self.documents[split]
-    space = self.config.seq_len
-    examples = []
-    while space >= self.config.min_chunk:
-      entry = self.entries[int(np.searchsorted(self._cumulative, rng.random(), side="right"))]
-      doc = docs[rng.integers(len(docs))]
-      budget = self._raw_budget(entry.denoiser, space)
-      if budget < 2:  # too little room left for this objective's overhead
-        break
-      if len(doc) > budget:
-        start = int(rng.integers(len(doc) - budget + 1))
-        doc = doc[start:start + budget]
-      denoiser = entry.denoiser if len(doc) >= 2 else CAUSAL
-      example = objectives.make_example(doc, denoiser, rng, self.special, self.config.mode_tokens)
-      examples.append(example)
-      space -= len(example.tokens)
-    return examples
+  def _slot_draws(self, key: np.ndarray, rows: np.ndarray, t: int, pool: "_Pool") -> Tuple[np.ndarray, ...]:
+    """For example slots t.. t + _SLOTS_PER_DRAW - 1 of each row: the table offset of the mixture
+    entry, the document, its length, the uniforms for the window start and the prefix split, each
+    (slots, rows)."""
+    counters = _SLOT_COUNTERS + _DRAWS_PER_SLOT * t
+    u = streams.uniforms(key, streams.positions(rows, counters))  # (slots, draws, rows)
+    entry = np.searchsorted(self._cumulative, u[:, 0], side="right")
+    doc = streams.below(u[:, 1], len(pool.lengths))
+    return entry * (self.config.seq_len + 1), doc, pool.lengths[doc], u[:, 2], u[:, 3]
+
+  def _fill(self, key: np.ndarray, rows: np.ndarray, pool: "_Pool") -> Tuple[np.ndarray, ...]:
+    """The fill loop, all rows in step: each slot takes an example while its row has min_chunk
+    slots left and the example's objective fits. Returns (entry_at, doc, doc_len, u_start, u_split,
+    n), each (rows, slots); n is the example's raw length (0: no example)."""
+    budget_table, length_table = self._table["budget"], self._table["length"]
+    space = np.full(len(rows), self.config.seq_len)  # 0 once the row is done
+    draws, raw = [], []
+    while space.any():
+      c = len(raw) % _SLOTS_PER_DRAW
+      if c == 0:
+        draws.append(self._slot_draws(key, rows, len(raw), pool))
+        entry_at, _, doc_len, _, _ = draws[-1]
+      budget = budget_table[entry_at[c] + space]
+      n = np.minimum(doc_len[c], budget)  # a window of the document when it is longer
+      left = space - length_table[entry_at[c] + n]
+      space = np.where((budget > 0) & (left >= self.config.min_chunk), left, 0)
+      raw.append(n)
+    t = len(raw)
+    return tuple(np.concatenate(d)[:t].T for d in zip(*draws)) + (np.stack(raw, axis=1),)
+
+  def _rows(self, split: str, rows: np.ndarray) -> Dict[str, np.ndarray]:
+    """Rows `rows` (global indices) of `split`, in the packing.py format."""
+    s, pool, key, table = self.config.seq_len, self._pools[split], self._keys[split], self._table
+    entry_at, doc, doc_len, u_start, u_split, n = self._fill(key, rows, pool)
+    at = entry_at + n
+    kind, mode_id, lengths = table["kind"][at], table["mode_id"][at], table["length"][at]
+    mode = mode_id > 0
+    offset = lengths.cumsum(axis=1) - lengths  # examples one after another from slot 0
+    first = pool.starts[doc] + streams.below(u_start, doc_len - n + 1)  # the window, in the pool
+    body = (np.arange(len(rows)) * s)[:, None] + offset + mode  # after the mode token, in the batch
+    prefix_lens = table["prefix"][at]
+    drawn = kind == PREFIX_ID  # prefix LM: the split is drawn
+    if drawn.any():
+      prefix_lens[drawn] = mode[drawn] + objectives.prefix_lengths(n[drawn], u_split[drawn])
+
+    # The tokens: mode tokens, sentinels, and blocks moved from the pool: the windows of causal and
+    # prefix examples, the spans of span examples (one layout for all of them).
+    targets = np.zeros(len(rows) * s, np.int32)
+    targets[body[mode] - 1] = mode_id[mode]
+    span = kind == SPAN_ID
+    plain = ~span & (n > 0)
+    blocks = [(first[plain], body[plain], n[plain])]
+    if span.any():
+      # Span keys: the token at row slot i draws at counter 4 * seq_len + i (the table's columns
+      # past an example's length are drawn too, and ignored).
+      at_key = streams.positions(rows[:, None], _DRAWS_PER_SLOT * s + offset)[span]
+      keys = streams.bits(key, at_key[:, None] + np.arange(n[span].max()))
+      *spans, sentinel_dest, rank = objectives.span_layout(
+          n[span], table["num_noise"][at[span]], table["num_spans"][at[span]], keys,
+          in_offsets=first[span], out_offsets=body[span])
+      targets[sentinel_dest] = self._sentinel_ids[rank]
+      blocks.append(spans)
+    block_src, block_dest, size = (np.concatenate(b) for b in zip(*blocks))
+    src = objectives.ranges(block_src, size)
+    targets[src + (block_dest - block_src).repeat(size)] = pool.tokens[src]
+    return pack_rows(targets.reshape(len(rows), s), lengths, prefix_lens, kind)
 
   def batch(self, step: int, split: str = "train", process_index: int = 0,
             process_count: int = 1) -> Dict[str, np.ndarray]:
-    """This process's rows of the global batch at `step`: rows [i * B/P, (i + 1) * B/P)."""
+    """This process's rows of the global batch at `step`: rows [i * B/P, (i + 1) * B/P).
+
+    Small batches are built several consecutive steps at a time (numpy's cost per call would
+    dominate them); the later steps wait in a cache, each handed out once.
+    Which step a block starts at changes nothing: a row depends on (seed, split, row) only.
+    """
     b = self.config.batch_size
     require(b % process_count == 0, "DataConfig.batch_size",
             f"global batch {b} does not split evenly over {process_count} processes",
             f"use a batch size that is a multiple of {process_count}")
     per_process = b // process_count
-    first = step * b + process_index * per_process
-    rows = (pack_row(self.examples_for_row(split, first + r), self.config.seq_len)
-            for r in range(per_process))
-    return stack_rows(rows)
+    steps = np.arange(step, step + min(_BLOCK_STEPS, -(-_BLOCK_SLOTS // (per_process * self.config.seq_len))))
+    steps = steps[steps < streams.MAX_ROWS // b]
+    require(step >= 0 and len(steps) > 0, "step", f"step {step} is outside [0, {streams.MAX_ROWS // b:,})",
+            "steps address rows of a 2**39-row stream")
+    where = (split, process_index, process_count)
+    with self._lock:
+      cached = self._cache.get(where, {}).pop(step, None)
+    if cached is not None:
+      return cached
+    rows = steps[:, None] * b + process_index * per_process + np.arange(per_process)
+    block = self._rows(split, rows.ravel())
+    batches = {int(s): {f: v[i * per_process:(i + 1) * per_process] for f, v in block.items()}
+               for i, s in enumerate(steps)}
+    mine = batches.pop(step)
+    with self._lock:
+      self._cache[where] = batches
+    return mine
 
   def describe(self) -> Dict[str, object]:
     """The mixture and the pinned special-token ids, for config files and checkpoint metadata."""
     return {"objectives": [dict(e.denoiser.to_json(), probability=e.probability) for e in self.entries],
             "special_tokens": self.special.to_json(), "mode_tokens": self.config.mode_tokens}
+
+
+class _Pool:
+  """A split's documents as one flat token array, so that a batch's windows move in one gather."""
+
+  def __init__(self, docs: Sequence[np.ndarray]):
+    self.lengths = np.array([len(d) for d in docs], np.int64)
+    self.starts = self.lengths.cumsum() - self.lengths
+    self.tokens = np.concatenate(docs).astype(np.int32)
