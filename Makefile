@@ -1,7 +1,7 @@
 # Convenience targets; each is also a plain command in README.md.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-WORKDIR ?= runs/cpu_demo
+WORKDIR ?= runs/midas_cpu
 
 .PHONY: setup demo test bench clean
 
@@ -15,7 +15,7 @@ $(VENV)/.installed: setup.py requirements/t5-reference.txt
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/midas train --gin_file=gin/experiments/cpu_demo.gin --workdir=$(WORKDIR)
+	$(VENV)/bin/midas compare --gin_file=gin/experiments/midas_cpu.gin --workdir=$(WORKDIR)
 
 test: setup
 	$(PY) -m pytest

@@ -33,6 +33,9 @@ class ModelConfig:
     dimension (d_model for embedding and position tables, heads * head_dim for the attention output,
     d_ff for the MLP output). Norm scales start at 1 and biases at 0 under both schemes.
   dtype: the compute dtype; param_dtype: the dtype parameters are stored (and updated) in.
+  loop_start, loop_size, loop_repeats: a looped model: layers [loop_start, loop_start + loop_size)
+    share their weights across loop_repeats consecutive applications (1: no looping). Set in training
+    for a looped model, or at evaluation to loop a grown model's middle block (model/looping.py).
   """
 
   family: str = "llama"
@@ -54,9 +57,17 @@ class ModelConfig:
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   remat_policy: str = "none"
+  loop_start: int = 0
+  loop_size: int = 0
+  loop_repeats: int = 1
 
   def __post_init__(self):
     s = "ModelConfig."
+    if self.loop_repeats != 1:
+      require(self.loop_repeats >= 1 and self.loop_size >= 1 and self.loop_start >= 0
+              and self.loop_start + self.loop_size <= self.num_layers, s + "loop_repeats",
+              f"loop block [{self.loop_start}, {self.loop_start + self.loop_size}) x {self.loop_repeats} does not "
+              f"fit {self.num_layers} layers", "set loop_start, loop_size >= 1 within num_layers and loop_repeats >= 1")
     require(self.family in FAMILIES, s + "family", f"unknown family {self.family!r}",
             f"use one of {FAMILIES}")
     for name in ("d_model", "num_layers", "num_heads", "d_ff", "max_seq_len", "vocab_multiple"):

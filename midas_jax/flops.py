@@ -82,7 +82,8 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, num_layers: Optional[i
   this convention is the customary one, not the work a causal kernel does. Recomputation under
   remat is not counted (that would be hardware FLOPs, not model FLOPs).
   """
-  layers = cfg.num_layers if num_layers is None else num_layers
+  # A looped model applies its tied block loop_repeats times: count every application.
+  layers = cfg.num_layers + cfg.loop_size * (cfg.loop_repeats - 1) if num_layers is None else num_layers
   attention = 2 * layers * seq_len * cfg.num_heads * cfg.resolved_head_dim
   return 6.0 * (matmul_params(cfg, layers) + attention)
 

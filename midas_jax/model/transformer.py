@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from midas_jax.configs import ModelConfig
+from midas_jax.model import looping
 from midas_jax.model.attention import make_attention_mask
 from midas_jax.model.layers import Block, Norm, dtype_of, param, weight_init
 
@@ -79,8 +80,23 @@ class Decoder(nn.Module):
     positions = batch["positions"]
     mask = make_attention_mask(batch["segment_ids"], positions, batch["prefix_mask"])
     x = self.embed(batch["inputs"], positions)
-    x, _ = self.layers(x, positions, mask)
+    order = looping.order_for(self.cfg)
+    if order is None or self.is_initializing():  # initializing creates the num_layers unique layers
+      x, _ = self.layers(x, positions, mask)
+    else:
+      x = self._looped_layers(x, positions, mask, order)
     return self.logits(x)
+
+  def _looped_layers(self, x, positions, mask, order):
+    """The layer stack run in `order` (a block repeated): see model/looping.py."""
+    cfg = self.cfg
+    layer_params = nn.unbox(self.variables["params"]["layers"])
+
+    def block(params, h):
+      return Block(cfg, parent=None).apply({"params": params}, h, positions, mask)[0]
+
+    policy = None if cfg.remat_policy == "none" else REMAT_POLICIES[cfg.remat_policy]
+    return looping.run_in_order(block, layer_params, x, order, policy)
 
 
 def dummy_batch(batch_size: int, seq_len: int) -> dict:

@@ -1,0 +1,58 @@
+"""Looped models: a tied block applied several times, in training and at evaluation."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_model, tiny_run
+from midas_jax import configs
+from midas_jax.errors import ConfigError
+from midas_jax.model import Decoder, dummy_batch, looping, make_attention_mask
+from midas_jax.model.layers import Block, Norm
+from midas_jax.train import loop
+from midas_jax.train.metrics import read_metrics
+
+
+def test_loop_order_and_middle_block():
+  assert looping.loop_order(5, 1, 2, 3).tolist() == [0, 1, 2, 1, 2, 1, 2, 3, 4]
+  assert [looping.middle_block(n * 2, 2) for n in range(1, 7)] == [0, 0, 2, 2, 4, 4]  # block ceil(n/2)
+  with pytest.raises(ConfigError, match="ModelConfig.loop_repeats"):
+    tiny_model(num_layers=2, loop_start=1, loop_size=2, loop_repeats=2)
+
+
+def _per_layer_forward(cfg, params, batch, order):
+  mask = make_attention_mask(batch["segment_ids"], batch["positions"], batch["prefix_mask"])
+  x = Decoder(cfg).apply({"params": params}, batch["inputs"], batch["positions"], method=Decoder.embed)
+  for i in order:
+    x, _ = Block(cfg).apply({"params": jax.tree.map(lambda p: p[i], params["layers"])}, x, batch["positions"], mask)
+  x = Norm(cfg).apply({"params": params["final_norm"]}, x)
+  return jnp.einsum("btd,vd->btv", x, params["embedding"])
+
+
+def test_looped_forward_repeats_the_tied_block_and_its_gradient_sums():
+  base = tiny_model(num_layers=3).with_vocab(300)
+  looped = looping.loop_middle_block(base, block_size=1, repeats=3)  # 3 blocks of 1: middle is layer 1
+  assert looping.order_for(looped).tolist() == [0, 1, 1, 1, 2]
+  batch = dummy_batch(2, 16)
+  batch["inputs"] = jax.random.randint(jax.random.key(1), (2, 16), 3, 250)
+  params = Decoder(base).init(jax.random.key(0), batch)["params"]
+  params = jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
+  np.testing.assert_allclose(Decoder(looped).apply({"params": params}, batch),
+                             _per_layer_forward(base, params, batch, [0, 1, 1, 1, 2]), atol=1e-5)
+  grads = jax.grad(lambda p: jnp.mean(Decoder(looped).apply({"params": p}, batch) ** 2))(params)
+  expected = jax.grad(lambda p: jnp.mean(_per_layer_forward(base, p, batch, [0, 1, 1, 1, 2]) ** 2))(params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads, expected)
+
+
+def test_training_a_looped_model(tmp_path):
+  model = tiny_model(num_layers=3, loop_start=1, loop_size=1, loop_repeats=2)
+  config = tiny_run(model=model, trainer=configs.TrainerConfig(num_steps=6, log_every=3, eval_every=0,
+                                                               progress_bar=False, peak_flops_per_device=1e11))
+  loop.train(config, str(tmp_path))
+  rows = read_metrics(str(tmp_path), "train")
+  assert rows[-1]["loss"] < rows[0]["loss"]
+  # Five layer applications are counted in the FLOPs, three unique layers are stored.
+  assert json.loads((tmp_path / "config.json").read_text())["model"]["num_layers"] == 3
