@@ -67,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
   _add_gin_flags(bench_train)
   bench_train.add_argument("--steps", type=int, default=10, help="timed steps (after warmup)")
   bench_train.add_argument("--warmup", type=int, default=2, help="untimed steps, compile included")
+  bench_train.add_argument("--peak_size", type=int, default=2048, help="matmul size of the peak probe")
   bench_train.add_argument("--json", default=None, help="also write the results to this JSON file")
   bench_stack = bench_sub.add_parser("stacking", help="measured vs theoretical speedup of MIDAS Prop-1, k=4")
   _add_gin_flags(bench_stack)
@@ -168,7 +169,7 @@ def _bench(args, bindings) -> int:
                             train_steps=args.train_steps)
     print(data_bench.format_report(report))
   else:
-    report = train_bench.run(config, steps=args.steps, warmup=args.warmup)
+    report = train_bench.run(config, steps=args.steps, warmup=args.warmup, peak_size=args.peak_size)
     print(train_bench.format_report(report))
   if args.json:
     with open(args.json, "w") as f:

@@ -37,7 +37,7 @@ def test_python_m_midas_jax_train_end_to_end(tmp_path):
 
 def test_bench_train_reports_mfu_against_a_same_run_peak(capsys, tmp_path):
   out = tmp_path / "bench.json"
-  rc = cli.main(["bench", "train", f"--gin_file={DEMO}", "--steps=2", "--warmup=1", f"--json={out}",
+  rc = cli.main(["bench", "train", f"--gin_file={DEMO}", "--steps=2", "--warmup=1", "--peak_size=256", f"--json={out}",
                  *TINY_BINDINGS])
   assert rc == 0
   text = capsys.readouterr().out

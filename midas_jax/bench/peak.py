@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -54,18 +54,19 @@ def known_peak_flops(device: Union[Any, str]) -> Optional[float]:
   return None
 
 
-def measure_matmul_peak(dtype: str = "float32", accum_dtype: Optional[str] = None,
-                        size: int = 2048, repeats: int = 10) -> float:
-  """Measured matmul FLOP/s per local device: size x size operands of `dtype`, accumulated and
-  returned in `accum_dtype` (None: in `dtype`).
+def matmul_peak_sampler(dtype: str = "float32", accum_dtype: Optional[str] = None,
+                        size: int = 2048) -> Callable[[int], float]:
+  """A compiled, warmed-up matmul probe: sample(repeats) -> FLOP/s per local device, the median of
+  `repeats` timed runs of size x size operands of `dtype`, accumulated and returned in `accum_dtype`
+  (None: in `dtype`).
 
   Every local device multiplies its own pair at once (one sharded batched matmul), and the result
   is divided by the device count, so on a host split into N devices the figure is each device's
-  share of the machine, not one device's speed with the rest idle. Median of `repeats` timed runs
-  after a warm-up; each time includes dispatch, as a training step's does.
+  share of the machine, not one device's speed with the rest idle. Each time includes dispatch, as
+  a training step's does. Sampling between the steps of a benchmark lets the peak see the same
+  machine load as the steps do (the cores may be shared).
   """
-  require(size > 0 and repeats > 0, "measure_matmul_peak", f"size={size}, repeats={repeats}",
-          "pass positive size and repeats")
+  require(size > 0, "matmul_peak_sampler", f"size={size}", "pass a positive size")
   devices = jax.local_devices()
   n = len(devices)
   in_dtype = jnp.dtype(dtype)
@@ -89,12 +90,26 @@ def measure_matmul_peak(dtype: str = "float32", accum_dtype: Optional[str] = Non
   a, b = operands(jax.random.key(0))
   for _ in range(2):  # compile, then one run to settle caches and thread pools
     matmul(a, b).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    matmul(a, b).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return 2.0 * size ** 3 / statistics.median(times)
+
+  def sample(repeats: int) -> float:
+    require(repeats > 0, "matmul_peak_sampler", f"repeats={repeats}", "pass positive repeats")
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      matmul(a, b).block_until_ready()
+      times.append(time.perf_counter() - start)
+    return 2.0 * size ** 3 / statistics.median(times)
+
+  return sample
+
+
+def measure_matmul_peak(dtype: str = "float32", accum_dtype: Optional[str] = None,
+                        size: int = 2048, repeats: int = 10) -> float:
+  """Measured matmul FLOP/s per local device, the median of `repeats` runs after a warm-up (see
+  matmul_peak_sampler)."""
+  require(size > 0 and repeats > 0, "measure_matmul_peak", f"size={size}, repeats={repeats}",
+          "pass positive size and repeats")
+  return matmul_peak_sampler(dtype, accum_dtype, size)(repeats)
 
 
 @functools.lru_cache(maxsize=None)

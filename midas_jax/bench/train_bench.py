@@ -1,11 +1,15 @@
 """`midas bench train`: steady-state training throughput and MFU against a same-run matmul peak.
 
 Batches are built before timing, so the figure is the step itself; the data pipeline's own cost per
-batch is measured separately and reported beside it.
+batch is measured separately and reported beside it. The matmul peak is sampled right before every
+timed step, and each step's MFU is taken against the sample next to it: on a machine whose cores
+are shared, load that slows the steps slows the peak alike, so their ratio stays meaningful. The
+reported MFU is the median of those per-step ratios.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Dict
@@ -13,47 +17,60 @@ from typing import Dict
 import jax
 
 from midas_jax import flops
-from midas_jax.bench.peak import known_peak_flops, measure_matmul_peak
+from midas_jax.bench.peak import known_peak_flops, matmul_peak_sampler
 from midas_jax.configs import RunConfig
 from midas_jax.train.experiment import build_experiment
 
+PEAK_REPEATS = 3  # timed matmuls per peak sample (2048^3 each)
 
-def run(config: RunConfig, steps: int = 10, warmup: int = 2) -> Dict[str, object]:
+
+def _load() -> float:
+  return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def run(config: RunConfig, steps: int = 10, warmup: int = 2, peak_size: int = 2048) -> Dict[str, object]:
+  """peak_size: the matmul size of the peak probe (smaller is cheaper and reads lower)."""
   experiment = build_experiment(config)
   mcfg, data = experiment.model_config, config.data
   t0 = time.perf_counter()
-  host_batches = [experiment.pipeline.batch(s) for s in range(warmup + steps)]
+  host_batches = [experiment.host_batch(s) for s in range(warmup + steps)]
   data_seconds = (time.perf_counter() - t0) / (warmup + steps)
+  del host_batches
   batches = [experiment.device_batch(s) for s in range(warmup + steps)]
 
+  samplers = {"float32": matmul_peak_sampler("float32", size=peak_size),
+              "bfloat16_f32_accum": matmul_peak_sampler("bfloat16", "float32", size=peak_size)}
+  load_before = _load()
   state = experiment.init_state()
   with experiment.context():
     step_fn = experiment.jit_train_step()
     t0 = time.perf_counter()
     for b in batches[:warmup]:
       state, metrics = step_fn(state, b)
-    jax.block_until_ready(metrics["loss"])
+    jax.block_until_ready((state, metrics))
     warmup_seconds = time.perf_counter() - t0
-    times = []
+    times, samples = [], {name: [] for name in samplers}
     for b in batches[warmup:]:
+      for name, sample in samplers.items():
+        samples[name].append(sample(PEAK_REPEATS))
       t0 = time.perf_counter()
       state, metrics = step_fn(state, b)
-      jax.block_until_ready(metrics["loss"])
+      jax.block_until_ready((state, metrics))
       times.append(time.perf_counter() - t0)
   step_seconds = statistics.median(times)
-  del host_batches
 
   n_dev = jax.device_count()
   tokens = data.batch_size * data.seq_len
   model_flops = flops.train_flops_per_token(mcfg, data.seq_len) * tokens
-  achieved = model_flops / step_seconds / n_dev  # per device
-  peaks = {"float32": measure_matmul_peak("float32"),
-           "bfloat16_f32_accum": measure_matmul_peak("bfloat16", "float32")}
+  achieved = [model_flops / t / n_dev for t in times]  # per device, each step
+  peaks = {name: statistics.median(v) for name, v in samples.items()}
+  ratios = {name: statistics.median(a / p for a, p in zip(achieved, v)) for name, v in samples.items()}
   known = known_peak_flops(jax.devices()[0])
   if known is not None:
     peaks["vendor_bf16"] = known
+    ratios["vendor_bf16"] = statistics.median(achieved) / known
   compute_key = "float32" if mcfg.dtype == "float32" else "bfloat16_f32_accum"
-  denominator = known if known is not None else peaks[compute_key]
+  denominator = "vendor_bf16" if known is not None else compute_key
   counts = flops.param_counts(mcfg)
   return {
       "device": jax.devices()[0].device_kind,
@@ -67,17 +84,19 @@ def run(config: RunConfig, steps: int = 10, warmup: int = 2) -> Dict[str, object
       "warmup_seconds": warmup_seconds,
       "tokens_per_second": tokens / step_seconds,
       "model_flops_per_step": model_flops,
-      "achieved_flops_per_device": achieved,
+      "achieved_flops_per_device": model_flops / step_seconds / n_dev,
       "peak_flops_per_device": peaks,
-      "mfu_denominator": "vendor_bf16" if known is not None else compute_key,
-      "mfu": achieved / denominator,
+      "peak_ratios": ratios,
+      "mfu_denominator": denominator,
+      "mfu": ratios[denominator],
+      "load_average": [load_before, _load()],
       "data_seconds_per_batch": data_seconds,
       "data_fraction_of_step": data_seconds / step_seconds,
   }
 
 
 def format_report(r: Dict[str, object]) -> str:
-  peaks = r["peak_flops_per_device"]
+  peaks, ratios = r["peak_flops_per_device"], r["peak_ratios"]
   lines = [
       f"device          {r['device']} x{r['num_devices']}",
       f"model           {r['params'] / 1e6:.1f}M params, compute {r['compute_dtype']}, "
@@ -88,9 +107,12 @@ def format_report(r: Dict[str, object]) -> str:
       f"{r['achieved_flops_per_device'] / 1e9:.1f} GFLOP/s per device (model FLOPs)",
   ]
   for name, value in peaks.items():
-    lines.append(f"peak {name:<18} {value / 1e9:.1f} GFLOP/s per device "
-                 f"-> ratio {r['achieved_flops_per_device'] / value:.1%}")
+    lines.append(f"peak {name:<18} {value / 1e9:.1f} GFLOP/s per device (median) "
+                 f"-> ratio {ratios[name]:.1%} (median per step)")
   lines.append(f"MFU             {r['mfu']:.1%} of the {r['mfu_denominator']} peak")
+  before, after = r["load_average"]
+  lines.append(f"machine load    {before:.1f} before, {after:.1f} after (1-min load average; "
+               f"{os.cpu_count()} cpus)")
   lines.append(f"data pipeline   {r['data_seconds_per_batch'] * 1e3:.1f} ms per batch "
                f"({r['data_fraction_of_step']:.1%} of a step)")
   return "\n".join(lines)
