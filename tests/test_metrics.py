@@ -9,7 +9,6 @@ import struct
 import numpy as np
 import pytest
 
-from midas_jax.train import metrics
 from midas_jax.train.metrics import MetricWriter, Progress, format_scalar, read_metrics
 
 

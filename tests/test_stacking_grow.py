@@ -132,9 +132,9 @@ def test_bad_provenance_is_refused_before_compiling(run):
 def test_growth_on_the_fsdp_mesh_equals_growth_on_one_device_and_lands_in_the_new_shardings(run):
   state8 = grown(run, devices=8)
   state1 = grown(run, devices=1)
-  for a, b, sharding in zip(jax.tree.leaves(state8), jax.tree.leaves(state1),
+  for a, b, expected in zip(jax.tree.leaves(state8), jax.tree.leaves(state1),
                             jax.tree.leaves(run["new"].layout.shardings)):
-    assert a.sharding == sharding
+    assert a.sharding == expected
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   query = state8.params["layers"]["attn"]["query"]  # [layers, embed, heads, kv]: embed over fsdp
   assert query.shape[0] == len(PROV) and query.sharding.spec[1] == "fsdp"

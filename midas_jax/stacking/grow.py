@@ -17,7 +17,6 @@ experiment built for the deeper model:
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
