@@ -392,3 +392,22 @@ def test_span_masks_from_counter_keys_are_uniform():
   draws = collections.Counter(m.tobytes() for m in mask.reshape(n, 12))
   assert len(draws) == 100
   assert sum((c - 200) ** 2 / 200 for c in draws.values()) < 148.2  # chi2(df=99) at p = 0.001
+
+
+def test_documents_shorter_than_a_span_become_causal_examples():
+  """A one-token document cannot be split: span corruption and prefix LM take it as causal LM."""
+  docs = [np.array([EOS], np.int32), np.array([10, EOS], np.int32), np.array([10, 11, 12, EOS], np.int32)]
+  cfg = DataConfig(seq_len=32, batch_size=4, causal_rate=0.0, prefix_rate=0.5, span_rate=0.5, min_chunk=2)
+  pipeline = Pipeline(cfg, {"train": docs, "validation": docs}, VOCAB_SIZE)
+  sentinels = set(pipeline.special.sentinel_ids)
+  seen = set()
+  for step in range(5):
+    for obj, tokens, prefix_len in examples_of(pipeline.batch(step)):
+      body = tokens[prefix_len:]
+      if len(tokens) == 1:
+        assert obj == 0 and prefix_len == 0 and tokens.tolist() == [EOS]
+      elif obj == 2:
+        raw = undo_span_corruption(tokens[:prefix_len], body, sentinels).tolist()
+        assert any(raw == d[i:i + len(raw)].tolist() for d in docs for i in range(len(d)))  # a window
+      seen.add((obj, len(tokens)))
+  assert (0, 1) in seen and any(o == 2 for o, _ in seen) and any(o == 1 for o, _ in seen)

@@ -73,3 +73,13 @@ def test_compare_trains_the_pair_and_writes_table_and_plot(tmp_path):
   png = (tmp_path / "loss_vs_flops.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
   assert json.loads((tmp_path / "comparison.json").read_text())["growths"][0]["step"] == 4
+
+
+def test_a_registered_operator_runs_through_the_trainer(tmp_path):
+  """fresh_block (an extension example) appends a freshly initialized block: provenance -1."""
+  result = loop.train(stacked_run("fresh_block", num_stages=2, stage_steps=(3, 5)), str(tmp_path))
+  assert result.growths[0]["provenance"] == [0, 1, -1, -1]
+  rows = read_metrics(str(tmp_path), "train")
+  assert rows[-1]["depth"] == 4 and np.isfinite(rows[-1]["loss"])
+  layers = json.loads((tmp_path / "stages.json").read_text())["layers"]
+  assert [l["origin"] for l in layers] == [0, 1, None, None]
