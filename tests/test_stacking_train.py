@@ -1,11 +1,12 @@
 """Training that grows: stages, growth in the loop, metrics at equal compute, `midas inspect`."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 
-from conftest import tiny_model
+from conftest import REPO_ROOT, tiny_model
 from midas_jax import cli, configs
 from midas_jax.train import loop
 from midas_jax.train.metrics import read_metrics
@@ -83,3 +84,21 @@ def test_a_registered_operator_runs_through_the_trainer(tmp_path):
   assert rows[-1]["depth"] == 4 and np.isfinite(rows[-1]["loss"])
   layers = json.loads((tmp_path / "stages.json").read_text())["layers"]
   assert [l["origin"] for l in layers] == [0, 1, None, None]
+
+
+def test_bench_stacking_reports_measured_against_theoretical(tmp_path, capsys):
+  bindings = ["--gin.ModelConfig.d_model=32", "--gin.ModelConfig.num_layers=4", "--gin.ModelConfig.num_heads=2",
+              "--gin.ModelConfig.num_kv_heads=None", "--gin.ModelConfig.d_ff=64", "--gin.DataConfig.seq_len=32",
+              "--gin.DataConfig.batch_size=8", "--gin.TrainerConfig.num_steps=8", "--gin.TrainerConfig.log_every=4",
+              "--gin.TrainerConfig.eval_every=8", "--gin.TrainerConfig.eval_batches=1",
+              "--gin.TrainerConfig.peak_flops_per_device=1e11"]
+  out = tmp_path / "bench.json"
+  demo = os.path.join(REPO_ROOT, "gin", "experiments", "cpu_demo.gin")
+  assert cli.main(["bench", "stacking", f"--gin_file={demo}", f"--workdir={tmp_path}/runs",
+                   f"--json={out}", *bindings]) == 0
+  text = capsys.readouterr().out
+  assert "measured/theoretical" in text and "theoretical speedup" in text
+  report = json.loads(out.read_text())
+  assert report["layer_only_speedup"] == pytest.approx(8 / 6, rel=0.3)  # Prop-1, k = 4, rounded to 8 steps
+  assert 1.0 < report["theoretical_speedup"] < report["layer_only_speedup"]
+  assert report["measured_speedup"] > 0 and len(report["growths"]) == 3
