@@ -28,6 +28,11 @@ def _load() -> float:
   return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
+def _cpu_seconds() -> float:
+  t = os.times()
+  return t.user + t.system
+
+
 def run(config: RunConfig, steps: int = 10, warmup: int = 2, peak_size: int = 2048) -> Dict[str, object]:
   """peak_size: the matmul size of the peak probe (smaller is cheaper and reads lower)."""
   experiment = build_experiment(config)
@@ -49,14 +54,15 @@ def run(config: RunConfig, steps: int = 10, warmup: int = 2, peak_size: int = 20
       state, metrics = step_fn(state, b)
     jax.block_until_ready((state, metrics))
     warmup_seconds = time.perf_counter() - t0
-    times, samples = [], {name: [] for name in samplers}
+    times, cpu_seconds, samples = [], 0.0, {name: [] for name in samplers}
     for b in batches[warmup:]:
       for name, sample in samplers.items():
         samples[name].append(sample(PEAK_REPEATS))
-      t0 = time.perf_counter()
+      c0, t0 = _cpu_seconds(), time.perf_counter()
       state, metrics = step_fn(state, b)
       jax.block_until_ready((state, metrics))
       times.append(time.perf_counter() - t0)
+      cpu_seconds += _cpu_seconds() - c0
   step_seconds = statistics.median(times)
 
   n_dev = jax.device_count()
@@ -90,6 +96,9 @@ def run(config: RunConfig, steps: int = 10, warmup: int = 2, peak_size: int = 20
       "mfu_denominator": denominator,
       "mfu": ratios[denominator],
       "load_average": [load_before, _load()],
+      # Under 100%, other processes held some of the cores during the steps: compare runs only
+      # at a similar share (the per-step peak pairing absorbs part of the difference, not all).
+      "cpu_share_of_steps": cpu_seconds / sum(times) / (os.cpu_count() or 1),
       "data_seconds_per_batch": data_seconds,
       "data_fraction_of_step": data_seconds / step_seconds,
   }
@@ -112,7 +121,8 @@ def format_report(r: Dict[str, object]) -> str:
   lines.append(f"MFU             {r['mfu']:.1%} of the {r['mfu_denominator']} peak")
   before, after = r["load_average"]
   lines.append(f"machine load    {before:.1f} before, {after:.1f} after (1-min load average; "
-               f"{os.cpu_count()} cpus)")
+               f"{os.cpu_count()} cpus); this process used {r['cpu_share_of_steps']:.0%} of them "
+               f"during the timed steps")
   lines.append(f"data pipeline   {r['data_seconds_per_batch'] * 1e3:.1f} ms per batch "
                f"({r['data_fraction_of_step']:.1%} of a step)")
   return "\n".join(lines)
