@@ -44,13 +44,17 @@ def markdown_table(rows: List[Dict[str, object]]) -> str:
   cols = ["run", "steps", "train_seconds", "total_flops", "final_eval_loss"] + \
       [f"eval_loss/{o}" for o in OBJECTIVES]
 
-  def fmt(v):
+  def fmt(col, v):
+    if v is None:
+      return "-"
+    if col == "train_seconds":
+      return f"{v:.1f}"
     if isinstance(v, float):
       return f"{v:.3e}" if abs(v) >= 1e5 else f"{v:.4f}"
-    return "-" if v is None else str(v)
+    return str(v)
 
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-  lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+  lines += ["| " + " | ".join(fmt(c, r.get(c)) for c in cols) + " |" for r in rows]
   return "\n".join(lines)
 
 
