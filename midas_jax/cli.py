@@ -5,6 +5,7 @@
   midas inspect --workdir=DIR
   midas bench stacking --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench train --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]
+  midas bench checkpoint --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench data --gin_file=F [--gin.KEY=VALUE ...] [--seconds=S] [--train_tokens_per_second=X]
   midas data sample --gin_file=F --steps=N --out=FILE.jsonl
   midas data write-corpus --out=DIR
@@ -52,7 +53,12 @@ def _parser() -> argparse.ArgumentParser:
 
   train = sub.add_parser("train", help="train (or resume) a model")
   _add_gin_flags(train)
-  train.add_argument("--workdir", required=True, help="output directory: config, metrics, checkpoints")
+  train.add_argument("--workdir", required=True,
+                     help="output directory: config, metrics, checkpoints; a workdir with checkpoints resumes")
+  train.add_argument("--allow_config_changes", default="",
+                     help="comma-separated settings (e.g. optimizer.learning_rate,trainer.num_steps, or a "
+                          "section like optimizer.) that may differ from the checkpoint's config on resume; "
+                          "'all' allows any change")
 
   comp = sub.add_parser("compare", help="train a stacked config and its full-depth baseline side by side")
   _add_gin_flags(comp)
@@ -73,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
   _add_gin_flags(bench_stack)
   bench_stack.add_argument("--workdir", required=True, help="where the two runs write their outputs")
   bench_stack.add_argument("--json", default=None, help="also write the results to this JSON file")
+  bench_ckpt = bench_sub.add_parser("checkpoint", help="save time, size, and how much an async save stalls training")
+  _add_gin_flags(bench_ckpt)
+  bench_ckpt.add_argument("--workdir", required=True, help="where the benchmark's checkpoints are written")
+  bench_ckpt.add_argument("--json", default=None, help="also write the results to this JSON file")
   bench_data = bench_sub.add_parser("data", help="input pipeline tokens/s on one core vs t5/TF and training")
   _add_gin_flags(bench_data)
   bench_data.add_argument("--seconds", type=float, default=5.0, help="timed seconds per measurement")
@@ -96,6 +106,25 @@ def _parser() -> argparse.ArgumentParser:
   spm.add_argument("--vocab_size", type=int, default=8000)
   spm.add_argument("--out", required=True, help="model prefix: writes PREFIX.model")
   return parser
+
+
+# Commands that live beside the code they drive. Each module has
+# `register(sub, bench_sub) -> {name: handler}`: it adds its parsers to `sub` (top-level commands) or
+# `bench_sub` (`midas bench NAME`, keyed "bench NAME") and imports nothing heavy at module level.
+# A handler is called as handler(args, bindings) and returns the exit status.
+COMMAND_MODULES: Tuple[str, ...] = ()
+
+
+def _parser_and_plugins() -> Tuple[argparse.ArgumentParser, dict]:
+  import importlib  # pylint: disable=import-outside-toplevel
+  parser = _parser()
+  sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # pylint: disable=protected-access
+  bench_parser = sub.choices["bench"]
+  bench_sub = next(a for a in bench_parser._actions if isinstance(a, argparse._SubParsersAction))  # pylint: disable=protected-access
+  handlers = {}
+  for name in COMMAND_MODULES:
+    handlers.update(importlib.import_module(name).register(sub, bench_sub))
+  return parser, handlers
 
 
 def _load_run_config(gin_files, bindings):
@@ -123,8 +152,10 @@ def _train(args, bindings) -> int:
   from midas_jax.train.loop import train  # pylint: disable=import-outside-toplevel
   enable_compilation_cache()
   config, gin_config = _load_run_config(args.gin_file, bindings)
-  result = train(config, args.workdir, operative_config=gin_config.operative_config())
-  print(json.dumps({"steps": result.steps, "final_loss": result.final_loss,
+  allowed = [k.strip() for k in args.allow_config_changes.split(",") if k.strip()]
+  result = train(config, args.workdir, operative_config=gin_config.operative_config(),
+                 allow_config_changes=allowed)
+  print(json.dumps({"steps": result.steps, "preempted": result.preempted, "final_loss": result.final_loss,
                     "final_eval_loss": result.final_eval_loss,
                     "wall_seconds": round(result.wall_seconds, 1), "workdir": result.workdir}))
   return 0
@@ -164,6 +195,10 @@ def _bench(args, bindings) -> int:
     from midas_jax.bench import stacking_bench  # pylint: disable=import-outside-toplevel
     report = stacking_bench.run(config, args.workdir)
     print(stacking_bench.format_report(report))
+  elif args.bench == "checkpoint":
+    from midas_jax.bench import checkpoint_bench  # pylint: disable=import-outside-toplevel
+    report = checkpoint_bench.run(config, args.workdir)
+    print(checkpoint_bench.format_report(report))
   elif args.bench == "data":
     report = data_bench.run(config, seconds=args.seconds, train_tokens_per_second=args.train_tokens_per_second,
                             train_steps=args.train_steps)
@@ -214,8 +249,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   try:
     bindings, rest = split_gin_bindings(argv)
-    args = _parser().parse_args(rest)
-    return COMMANDS[args.command](args, bindings)
+    parser, plugins = _parser_and_plugins()
+    args = parser.parse_args(rest)
+    key = f"bench {args.bench}" if args.command == "bench" else args.command
+    handler = plugins.get(key) or COMMANDS[args.command]
+    return handler(args, bindings)
   except ConfigError as e:
     print(f"midas: error: {e}", file=sys.stderr)
     return 2

@@ -317,6 +317,32 @@ class TrainerConfig:
     require(self.eval_batches > 0, s + "eval_batches", "must be > 0", "evaluate on >= 1 batch")
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """When a run saves (orbax, under <workdir>/checkpoints) and which saves it keeps.
+
+  every: save every N steps (0: only at stage boundaries, at the end and on preemption, which
+    always save). keep: the newest saves kept; keep_every: also keep every save whose step is a
+    multiple of this (None: none kept beyond `keep`). async_save: write in a background thread while
+    training goes on (the run always waits for it before exiting).
+  init_from: a params-only export (or a run's workdir) whose parameters start a new run, e.g. an
+    imported Hugging Face model; ignored when the workdir already has checkpoints (resume wins).
+  """
+
+  every: int = 1000
+  keep: int = 3
+  keep_every: Optional[int] = None
+  async_save: bool = True
+  init_from: Optional[str] = None
+
+  def __post_init__(self):
+    s = "CheckpointConfig."
+    require(self.every >= 0, s + "every", "must be >= 0", "0 saves only at stage ends, the end and preemption")
+    require(self.keep >= 1, s + "keep", "must be >= 1", "keep at least the newest checkpoint")
+    require(self.keep_every is None or self.keep_every >= 1, s + "keep_every", "must be >= 1 or None",
+            "e.g. 10000 keeps every 10000th step's save")
+
+
 GROWTH_MOMENTS = ("copy", "zero")
 LR_SCHEDULES = ("global", "rewarm")
 
@@ -392,6 +418,7 @@ class RunConfig:
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
   stacking: StackingConfig = dataclasses.field(default_factory=StackingConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
   def __post_init__(self):
     require(self.data.seq_len <= self.model.max_seq_len, "DataConfig.seq_len",
@@ -438,4 +465,4 @@ class RunConfig:
 
 
 CONFIG_CLASSES: Sequence[type] = (ModelConfig, MeshConfig, OptimizerConfig, DataConfig, TrainerConfig,
-                                  StackingConfig)
+                                  StackingConfig, CheckpointConfig)

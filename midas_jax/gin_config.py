@@ -132,7 +132,8 @@ def run_config_from_gin() -> configs.RunConfig:
   try:
     return configs.RunConfig(model=configs.ModelConfig(), mesh=configs.MeshConfig(),
                              optimizer=configs.OptimizerConfig(), data=configs.DataConfig(),
-                             trainer=configs.TrainerConfig(), stacking=configs.StackingConfig())
+                             trainer=configs.TrainerConfig(), stacking=configs.StackingConfig(),
+                             checkpoint=configs.CheckpointConfig())
   except Exception as e:  # pylint: disable=broad-except
     _unwrap_config_error(e)
     raise

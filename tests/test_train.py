@@ -19,7 +19,7 @@ class RecordingCheckpointer(loop.NoCheckpointer):
   def __init__(self):
     self.saved = []
 
-  def save(self, state, step, force=False):
+  def save(self, state, step, force=False, metadata=None):
     finite = all(bool(np.all(np.isfinite(np.asarray(x)))) for x in jax.tree.leaves(state.params))
     self.saved.append((step, finite))
 

@@ -6,10 +6,17 @@ computes the operator's provenance map, builds the deeper experiment, and grows 
 one jitted gather whose out_shardings are the new model's (grow.py). The layer lineage, which layer
 each current layer was born as, is a pure function of the operator and the stage, so a resumed run
 recomputes it rather than storing it.
+
+Recompiling at every boundary would stall training once per stage. Instead, as soon as a stage
+starts, the next stage's train step is compiled ahead of time in a background thread (`prepare`),
+from shapes alone; by the boundary it is usually ready, so growth costs the gather and little else.
+On an accelerator the host is idle during steps and the compile is free; on a CPU it shares the
+cores with training.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -17,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional
 import jax
 import numpy as np
 
+from midas_jax import sharding
 from midas_jax.configs import RunConfig
 from midas_jax.stacking import operators
 from midas_jax.stacking.grow import make_grower
@@ -40,6 +48,18 @@ class Stage:
     return self.experiment.model_config.num_layers
 
 
+def _abstract_train_args(exp: Experiment) -> tuple:
+  """Shapes and shardings of (state, global batch): enough to compile the train step."""
+  layout = exp.layout
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                       layout.abstract, layout.shardings)
+  rows = exp.config.data.batch_size
+  batch_sharding = sharding.batch_sharding(exp.mesh)
+  batch = {k: jax.ShapeDtypeStruct((rows,) + v.shape[1:], v.dtype, sharding=batch_sharding)
+           for k, v in exp.pipeline.batch(0, "train", 0, 1).items()}
+  return state, batch
+
+
 class StageController:
   """Owns the stage schedule of a run and moves a TrainState from one stage to the next."""
 
@@ -51,19 +71,39 @@ class StageController:
     self.data = load_data(config)
     self.model_config = config.model.with_vocab(self.data[0].vocab_size)  # the final depth's
     self.growths: List[Dict[str, Any]] = []
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="precompile")
+    self._prepared: Dict[int, concurrent.futures.Future] = {}
 
   @property
   def block_size(self) -> int:
     return self.schedule.block_size
 
-  def stage(self, index: int) -> Stage:
-    """Builds (and jits) the experiment of stage `index` (1-indexed)."""
+  def _build(self, index: int, compile_ahead: bool) -> Stage:
     depth = self.schedule.depths[index - 1]
     exp = build_experiment(self.config, self.devices, data=self.data, num_layers=depth)
     with exp.context():
-      return Stage(index, exp, exp.jit_train_step(), exp.jit_eval_step())
+      train_step = exp.jit_train_step()
+      if compile_ahead:
+        train_step = train_step.lower(*_abstract_train_args(exp)).compile()
+      return Stage(index, exp, train_step, exp.jit_eval_step())
+
+  def stage(self, index: int) -> Stage:
+    """The experiment of stage `index` (1-indexed) with its steps: compiled ahead if prepared."""
+    future = self._prepared.pop(index, None)
+    if future is not None:
+      return future.result()
+    return self._build(index, compile_ahead=False)
+
+  def prepare(self, index: int) -> None:
+    """Starts compiling stage `index`'s train step in the background (no-op past the last stage)."""
+    if index <= self.schedule.num_stages and index not in self._prepared:
+      self._prepared[index] = self._pool.submit(self._build, index, True)
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=True, cancel_futures=True)
 
   def stage_at(self, step: int) -> Stage:
+    """The stage of `step` (compiled when first called)."""
     return self.stage(self.schedule.stage_at(step))
 
   def provenance(self, depth: int) -> np.ndarray:

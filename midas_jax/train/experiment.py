@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -48,6 +49,13 @@ class Experiment:
     with self.context():
       return create_train_state(self.model, self.tx, self.layout,
                                 jax.random.key(self.config.trainer.seed), self.config.data.seq_len)
+
+  def init_state_from_params(self, params) -> TrainState:
+    """Step 0 with the given parameters (e.g. an imported model) and fresh optimizer state."""
+    def init(p):
+      return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=self.tx.init(p))
+    with self.context():
+      return jax.jit(init, out_shardings=self.layout.shardings)(params)
 
   def jit_train_step(self):
     step = step_lib.make_train_step(self.model, self.tx, self.schedule, self.config.optimizer.z_loss)

@@ -7,44 +7,71 @@ import json
 import math
 import os
 import time
-from typing import Optional, Protocol
+from typing import List, Optional, Protocol, Sequence
 
 import jax
 import numpy as np
 
 from midas_jax import flops, sharding
 from midas_jax.bench.peak import peak_flops_per_device
+from midas_jax.checkpoint import metadata as metadata_lib
+from midas_jax.checkpoint.manager import OrbaxCheckpointer
 from midas_jax.configs import RunConfig
 from midas_jax.data.prefetch import Prefetcher
 from midas_jax.errors import ConfigError, NonFiniteLossError
 from midas_jax.stacking.controller import StageController
 from midas_jax.train.experiment import Experiment
-from midas_jax.train.metrics import MetricWriter, Progress
+from midas_jax.train import resume
+from midas_jax.train.metrics import MetricWriter, NullWriter, Progress, truncate_after
+from midas_jax.train.preemption import PreemptionGuard
 from midas_jax.train.state import TrainState
 from midas_jax.train.step import per_objective_losses
 
 
 class Checkpointer(Protocol):
-  """The seam a checkpoint manager plugs into. It only ever sees states whose loss was finite."""
+  """The seam a checkpoint manager plugs into (checkpoint/manager.py has the orbax one).
 
-  def latest_step(self) -> Optional[int]: ...
+  It only ever sees states whose loss was finite. `save` decides itself whether a non-forced step
+  is due; the loop makes sure it has checked the losses of every step it hands over.
+  """
+
+  def steps(self) -> List[int]: ...  # committed saves, newest first
+
+  def metadata(self, step: int) -> dict: ...
 
   def restore(self, experiment: Experiment, step: int) -> TrainState: ...
 
-  def save(self, state: TrainState, step: int, force: bool = False) -> None: ...
+  def quarantine(self, step: int, reason: str) -> None: ...
+
+  def due(self, step: int) -> bool: ...
+
+  def save(self, state: TrainState, step: int, force: bool = False, metadata: Optional[dict] = None) -> bool: ...
 
   def close(self) -> None: ...
 
 
 class NoCheckpointer:
-  def latest_step(self):
-    return None
+  """Saves nothing: benchmarks and tests that do not need checkpoints."""
+
+  save_seconds: List[float] = []
+
+  def steps(self):
+    return []
+
+  def metadata(self, step):
+    raise AssertionError("NoCheckpointer has no metadata")
 
   def restore(self, experiment, step):
     raise AssertionError("NoCheckpointer has nothing to restore")
 
-  def save(self, state, step, force=False):
-    pass
+  def quarantine(self, step, reason):
+    raise AssertionError("NoCheckpointer has nothing to quarantine")
+
+  def due(self, step):
+    return False
+
+  def save(self, state, step, force=False, metadata=None):
+    return False
 
   def close(self):
     pass
@@ -52,13 +79,16 @@ class NoCheckpointer:
 
 @dataclasses.dataclass
 class TrainResult:
-  steps: int
+  steps: int  # the step the run ended at (less than num_steps if preempted)
   final_loss: float
   final_eval_loss: Optional[float]
   wall_seconds: float
   train_seconds: float  # wall time less evaluation: what growth and recompiles are compared against
   workdir: str
   growths: list
+  start_step: int = 0  # > 0 when the run resumed from a checkpoint
+  preempted: bool = False  # stopped by SIGTERM/SIGINT after saving
+  save_seconds: List[float] = dataclasses.field(default_factory=list)  # time each save blocked training
 
 
 def prepare_workdir(workdir: str) -> str:
@@ -120,23 +150,46 @@ class _Window:
     self.start, self.timed_from, self.data_wait = None, None, 0.0
 
 
+def _checkpoint_metadata(controller: StageController, stage, step: int, resolved: dict,
+                         operative_config: str) -> dict:
+  data = controller.config.data
+  return {"step": step, "stage": stage.index, "depth": stage.depth, "block_size": controller.block_size,
+          "operator": controller.config.stacking.operator,
+          "lineage": [r.to_dict() for r in controller.lineage(stage.index)], "growths": controller.growths,
+          "config": resolved, "operative_config": operative_config,
+          "data": {"seed": data.seed, "step": step, "mixture": controller.data[1].describe()},
+          "versions": metadata_lib.package_versions(), "format": metadata_lib.FORMAT_VERSION}
+
+
 def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] = None,
-          operative_config: str = "", devices=None) -> TrainResult:
-  """Trains (or resumes) a run, growing the model at each stage boundary of config.stacking."""
+          operative_config: str = "", devices=None, allow_config_changes: Sequence[str] = ()) -> TrainResult:
+  """Trains a run, or resumes it from the workdir's latest good checkpoint, growing at stage boundaries.
+
+  checkpointer: None saves orbax checkpoints under <workdir>/checkpoints (config.checkpoint says
+  when); pass NoCheckpointer() to save nothing. allow_config_changes: settings that may differ from
+  the checkpoint's config on resume (metadata.check_resumable).
+  """
   workdir = prepare_workdir(workdir)
+  primary = jax.process_index() == 0
   controller = StageController(config, devices)
   trainer, data = config.trainer, config.data
-  checkpointer = checkpointer or NoCheckpointer()
+  if checkpointer is None:
+    checkpointer = OrbaxCheckpointer(workdir, config.checkpoint)
   vocab, pipeline = controller.data
-  resolved = dataclasses.asdict(dataclasses.replace(config, model=controller.model_config))
-  _write_json(os.path.join(workdir, "config.json"), dict(resolved, data_mixture=pipeline.describe()))
-  if operative_config:
-    with open(os.path.join(workdir, "operative_config.gin"), "w") as f:
-      f.write(operative_config)
-
-  start_step = checkpointer.latest_step() or 0
-  stage = controller.stage_at(start_step)
-  state = stage.experiment.init_state() if start_step == 0 else checkpointer.restore(stage.experiment, start_step)
+  resolved = metadata_lib.config_to_dict(dataclasses.replace(config, model=controller.model_config))
+  begin = resume.start(controller, checkpointer, resolved, allow_config_changes)
+  start_step, state, stage = begin.step, begin.state, begin.stage
+  controller.prepare(stage.index + 1)  # compiles the next stage's step while this one trains
+  if primary:
+    _write_json(os.path.join(workdir, "config.json"), dict(resolved, data_mixture=pipeline.describe()))
+    if operative_config:
+      with open(os.path.join(workdir, "operative_config.gin"), "w") as f:
+        f.write(operative_config)
+    truncate_after(workdir, start_step)  # a restart redoes the steps after its checkpoint (or all)
+    if start_step:
+      print(f"resuming from the checkpoint of step {start_step} (stage {stage.index}, depth {stage.depth})"
+            + (f"; accepted config changes: {'; '.join(begin.accepted_changes)}" if begin.accepted_changes else ""),
+            flush=True)
   peak = peak_flops_per_device(trainer.peak_flops_per_device, dtype=config.model.dtype) * jax.device_count()
   tokens_per_step = data.batch_size * data.seq_len
 
@@ -144,13 +197,18 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
     return flops.train_flops_per_token(controller.model_config, data.seq_len, num_layers=depth) * tokens_per_step
 
   def write_stages(step):
-    _write_json(os.path.join(workdir, "stages.json"), controller.describe(step))
+    if primary:
+      _write_json(os.path.join(workdir, "stages.json"), controller.describe(step))
+
+  def save(step, force=False):
+    return checkpointer.save(state, step, force=force,
+                             metadata=_checkpoint_metadata(controller, stage, step, resolved, operative_config))
 
   batches = Prefetcher(stage.experiment.host_batch, start_step, trainer.num_steps, data.prefetch)
-  writer = MetricWriter(workdir)
-  progress = Progress(trainer.num_steps, initial_step=start_step, enabled=trainer.progress_bar)
+  writer = MetricWriter(workdir) if primary else NullWriter()
+  progress = Progress(trainer.num_steps, initial_step=start_step, enabled=trainer.progress_bar and primary)
   t_start, eval_seconds = time.time(), 0.0
-  last_loss, eval_loss = float("nan"), None
+  last_loss, eval_loss, preempted, done = float("nan"), None, False, start_step
   window = _Window(start_step)
 
   def log(done: int) -> None:
@@ -181,50 +239,62 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
     progress.update(done, {"loss": f"{last_loss:.3f}", "depth": stage.depth})
 
   try:
-    for step in range(start_step, trainer.num_steps):
-      if step in controller.schedule.boundaries and step != start_step:
-        if window.metrics:
-          log(step)
-        state, stage = controller.grow(state, stage, step)
-        growth = controller.growths[-1]
-        writer.write(step, "stage", {"stage": stage.index, "depth": stage.depth,
-                                     "growth_seconds": growth["seconds"]})
-        checkpointer.save(state, step, force=True)
-        write_stages(step)
-        window.restart(step, timed=False)
-      with stage.experiment.context():
-        wait_start = time.time()
-        host = batches.get(step)
-        window.data_wait += time.time() - wait_start
-        state, metrics = stage.train_step(state, sharding.shard_batch(host, stage.experiment.mesh))
-      window.metrics.append(metrics)
-      done = step + 1
-      if window.start is None:  # this step compiled: time the window from its end
-        jax.block_until_ready(metrics["loss"])
-        window.start_timer(done)
-      if done % trainer.log_every and done != trainer.num_steps:
-        continue
-      if window.metrics:
-        log(done)
-      checkpointer.save(state, done)
-      window.restart(done)
-      if trainer.eval_every and (done % trainer.eval_every == 0 or done == trainer.num_steps):
-        eval_start = time.time()
+    with PreemptionGuard() as guard:
+      for step in range(start_step, trainer.num_steps):
+        if controller.schedule.stage_at(step) > stage.index:  # a boundary (or resumed just before one)
+          if window.metrics:
+            log(step)
+          state, stage = controller.grow(state, stage, step)
+          controller.prepare(stage.index + 1)
+          growth = controller.growths[-1]
+          writer.write(step, "stage", {"stage": stage.index, "depth": stage.depth,
+                                       "growth_seconds": growth["seconds"]})
+          save(step, force=True)
+          write_stages(step)
+          window.restart(step, timed=False)
         with stage.experiment.context():
-          eval_metrics = evaluate(stage.experiment, stage.eval_step, state.params)
-        eval_loss = eval_metrics["loss"]
-        writer.write(done, "eval", dict(eval_metrics, stage=stage.index, depth=stage.depth,
-                                        cumulative_flops=controller.cumulative_flops(done)))
-        eval_seconds += time.time() - eval_start
-        window.start_timer(done)  # eval time is not training time
-    checkpointer.save(state, trainer.num_steps, force=True)
-    write_stages(trainer.num_steps)
+          wait_start = time.time()
+          host = batches.get(step)
+          window.data_wait += time.time() - wait_start
+          state, metrics = stage.train_step(state, sharding.shard_batch(host, stage.experiment.mesh))
+        window.metrics.append(metrics)
+        done = step + 1
+        if window.start is None:  # this step compiled: time the window from its end
+          jax.block_until_ready(metrics["loss"])
+          window.start_timer(done)
+        multi_host = jax.process_count() > 1
+        log_step = done % trainer.log_every == 0 or done == trainer.num_steps
+        preempted = guard.requested(sync=multi_host and log_step) if (log_step or not multi_host) else False
+        if not (log_step or preempted or checkpointer.due(done)):
+          continue
+        if window.metrics:
+          log(done)
+        if trainer.eval_every and (done % trainer.eval_every == 0 or done == trainer.num_steps):
+          eval_start = time.time()
+          with stage.experiment.context():
+            eval_metrics = evaluate(stage.experiment, stage.eval_step, state.params)
+          eval_loss = eval_metrics["loss"]
+          writer.write(done, "eval", dict(eval_metrics, stage=stage.index, depth=stage.depth,
+                                          cumulative_flops=controller.cumulative_flops(done)))
+          eval_seconds += time.time() - eval_start
+        # At a boundary the grown state is saved instead, at the start of the next iteration.
+        if preempted or done not in controller.schedule.boundaries:
+          save(done, force=preempted)
+        window.restart(done)
+        if preempted:
+          print(f"stopped at step {done} after saving; run the same command to resume", flush=True)
+          break
+    if not preempted:
+      save(trainer.num_steps, force=True)
+      write_stages(trainer.num_steps)
   finally:
+    controller.close()
     batches.close()
     progress.close()
     writer.close()
     checkpointer.close()
   wall = time.time() - t_start
-  return TrainResult(steps=trainer.num_steps, final_loss=last_loss, final_eval_loss=eval_loss,
+  return TrainResult(steps=done, final_loss=last_loss, final_eval_loss=eval_loss,
                      wall_seconds=wall, train_seconds=wall - eval_seconds, workdir=workdir,
-                     growths=list(controller.growths))
+                     growths=list(controller.growths), start_step=start_step, preempted=preempted,
+                     save_seconds=list(checkpointer.save_seconds))

@@ -2,8 +2,8 @@
 
 metrics.jsonl is the record of truth (one JSON object per write, flushed at once, so a killed run
 keeps every line it logged); TensorBoard events are for looking at curves and may lag by a few
-seconds. A resumed run appends to the same file, so steps between the last checkpoint and the
-crash can appear twice: readers that need one value per step keep the last.
+seconds. A resumed run first drops the records after the step it resumes from (truncate_after),
+then appends: metrics.jsonl holds each step once. TensorBoard may show the dropped stretch twice.
 """
 
 from __future__ import annotations
@@ -130,6 +130,30 @@ class MetricWriter:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+class NullWriter:
+  """The MetricWriter of processes other than 0: logs and files come from process 0 only."""
+
+  def write(self, step: int, split: str, scalars: Mapping[str, Any]) -> None:
+    del step, split, scalars
+
+  def close(self) -> None:
+    pass
+
+
+def truncate_after(workdir: str, step: int) -> int:
+  """Drops records of steps after `step` (a resumed run redoes them); returns how many were dropped."""
+  path = os.path.join(workdir, METRICS_FILE)
+  if not os.path.exists(path):
+    return 0
+  records = read_metrics(workdir)
+  keep = [r for r in records if r["step"] <= step]
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r) + "\n" for r in keep)
+  os.replace(tmp, path)
+  return len(records) - len(keep)
 
 
 def read_metrics(workdir: str, split: Optional[str] = None) -> List[Dict[str, Any]]:

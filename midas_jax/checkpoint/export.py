@@ -1,0 +1,131 @@
+"""Parameters without the optimizer: params-only exports and loading a model for eval or conversion.
+
+A params-only export is a directory with `params/` (an orbax PyTree of the model's parameters) and
+`metadata.json` (the same metadata as a checkpoint: config, stage, depth, lineage, versions).
+`load_model` reads either that or a run's workdir (its latest good checkpoint, or a chosen step),
+always without touching optimizer state, onto one device as float32 NumPy arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Dict, Optional
+
+import flax.linen as nn
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from midas_jax.checkpoint import manager as manager_lib
+from midas_jax.checkpoint import metadata as metadata_lib
+from midas_jax.configs import ModelConfig, RunConfig
+from midas_jax.errors import ConfigError
+
+PARAMS_DIR = "params"
+METADATA_FILE = "metadata.json"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+  params: Any  # Decoder(model_config)'s unboxed "params", NumPy arrays
+  model_config: ModelConfig  # vocab_size filled in, num_layers = the depth at this step
+  config: RunConfig
+  step: int
+  stage: int
+  metadata: Dict[str, Any]
+
+  @property
+  def vocab(self):
+    from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
+    return make_vocabulary(self.config.data)
+
+
+def abstract_params(model_config: ModelConfig, device=None):
+  """Shapes and dtypes of Decoder(model_config)'s params, placed on one device."""
+  from midas_jax.model import Decoder, dummy_batch  # pylint: disable=import-outside-toplevel
+  shapes = jax.eval_shape(lambda: nn.unbox(Decoder(model_config).init(jax.random.key(0), dummy_batch(1, 8))["params"]))
+  sharding = jax.sharding.SingleDeviceSharding(device or jax.local_devices()[0])
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), shapes)
+
+
+def model_config_of(metadata: Dict[str, Any]) -> tuple:
+  """(RunConfig, ModelConfig at the saved depth) from checkpoint or export metadata."""
+  config = metadata_lib.config_from_dict(metadata["config"])
+  model = config.model if metadata.get("depth") is None else dataclasses.replace(config.model, num_layers=metadata["depth"])
+  return config, model
+
+
+def is_params_export(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, METADATA_FILE)) and os.path.isdir(os.path.join(path, PARAMS_DIR))
+
+
+def write_params_export(out_dir: str, params, config: RunConfig, metadata: Optional[Dict[str, Any]] = None) -> str:
+  """Writes `params` (any pytree of arrays laid out as Decoder's) and metadata to out_dir."""
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(os.path.join(out_dir, PARAMS_DIR)):
+    raise ConfigError("--out", f"{out_dir} already holds an export", "choose a new output directory")
+  os.makedirs(out_dir, exist_ok=True)
+  meta = dict(metadata or {})
+  meta.setdefault("step", 0)
+  meta.setdefault("stage", 1)
+  meta.setdefault("depth", config.model.num_layers)
+  meta["config"] = metadata_lib.config_to_dict(config)
+  meta["versions"] = metadata_lib.package_versions()
+  meta["format"] = metadata_lib.FORMAT_VERSION
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.join(out_dir, PARAMS_DIR), jax.tree.map(np.asarray, params))
+  if jax.process_index() == 0:
+    with open(os.path.join(out_dir, METADATA_FILE), "w") as f:
+      json.dump(meta, f, indent=2)
+  return out_dir
+
+
+def _load_export(path: str) -> LoadedModel:
+  with open(os.path.join(path, METADATA_FILE)) as f:
+    meta = json.load(f)
+  config, model = model_config_of(meta)
+  with ocp.StandardCheckpointer() as ckptr:
+    params = ckptr.restore(os.path.join(path, PARAMS_DIR), abstract_params(model))
+  return LoadedModel(jax.tree.map(np.asarray, params), model, config, int(meta["step"]), int(meta.get("stage", 1)), meta)
+
+
+def _load_from_run(workdir: str, step: Optional[int]) -> LoadedModel:
+  directory = manager_lib.checkpoint_dir(workdir)
+  manager = manager_lib.make_manager(directory, read_only=True)
+  steps = sorted(manager.all_steps(), reverse=True)
+  if step is not None:
+    if step not in steps:
+      raise ConfigError("--step", f"no checkpoint of step {step} in {directory} (have {sorted(steps)})",
+                        "pass one of the saved steps, or omit --step for the latest")
+    steps = [step]
+  errors = []
+  for s in steps:  # newest first: a bad latest save falls back to the one before
+    try:
+      meta = manager_lib.restore_metadata(manager, s)
+      config, model = model_config_of(meta)
+      params = manager_lib.restore_params(manager, s, abstract_params(model))
+      return LoadedModel(jax.tree.map(np.asarray, params), model, config, s, int(meta.get("stage", 1)), meta)
+    except manager_lib.CorruptCheckpointError as e:
+      errors.append(str(e))
+  raise ConfigError("--workdir", f"no usable checkpoint in {directory}" + (f" ({'; '.join(errors)})" if errors else ""),
+                    "pass the --workdir of a `midas train` run that saved a checkpoint, or a params-only export")
+
+
+def load_model(path: str, step: Optional[int] = None) -> LoadedModel:
+  """A run's workdir (latest good checkpoint, or `step`) or a params-only export, params only."""
+  path = os.path.abspath(os.path.expanduser(path))
+  if is_params_export(path):
+    return _load_export(path)
+  if os.path.isdir(manager_lib.checkpoint_dir(path)):
+    return _load_from_run(path, step)
+  raise ConfigError("--workdir", f"{path} is neither a run with checkpoints nor a params-only export",
+                    "pass a `midas train` workdir (it has checkpoints/) or a directory written by "
+                    "`midas export --format=params`")
+
+
+def export_params(workdir: str, out_dir: str, step: Optional[int] = None) -> str:
+  """A run's checkpoint (latest, or `step`) as a params-only export."""
+  model = load_model(workdir, step)
+  return write_params_export(out_dir, model.params, model.config, model.metadata)

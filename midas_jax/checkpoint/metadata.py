@@ -1,0 +1,102 @@
+"""What a checkpoint says about itself, and whether a config may resume from it.
+
+Every save carries JSON metadata (DESIGN.md decision 6): the resolved RunConfig, the operative gin
+config, stage, depth, layer lineage and growths, the data seed and step, and package versions. A
+resume compares the saved config with the new one: operational settings (mesh, logging, evaluation
+cadence, checkpoint policy) may change freely; anything that changes what is trained needs an
+explicit allowance, so a typo cannot silently continue a different experiment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import platform
+from typing import Any, Dict, List, Sequence, Tuple
+
+from midas_jax import configs
+from midas_jax.errors import ConfigError
+
+FORMAT_VERSION = 1
+
+# Settings that do not change what is trained: a resume may change them without an allowance.
+OPERATIONAL = ("mesh.", "trainer.log_every", "trainer.eval_every", "trainer.eval_batches",
+               "trainer.progress_bar", "trainer.peak_flops_per_device", "data.prefetch", "checkpoint.")
+
+_PACKAGES = ("midas_jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
+
+
+def package_versions() -> Dict[str, str]:
+  versions = {"python": platform.python_version()}
+  for name in _PACKAGES:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = "not installed"
+  return versions
+
+
+def _jsonable(value: Any) -> Any:
+  if isinstance(value, (list, tuple)):
+    return [_jsonable(v) for v in value]
+  if isinstance(value, dict):
+    return {k: _jsonable(v) for k, v in value.items()}
+  return value
+
+
+def config_to_dict(config: configs.RunConfig) -> Dict[str, Any]:
+  return _jsonable(dataclasses.asdict(config))
+
+
+def _tuples(value: Any) -> Any:
+  """JSON lists back to the tuples the frozen configs hold."""
+  if isinstance(value, list):
+    return tuple(_tuples(v) for v in value)
+  return value
+
+
+def config_from_dict(d: Dict[str, Any]) -> configs.RunConfig:
+  """The RunConfig saved by config_to_dict (fields this version does not know are dropped)."""
+  parts = {}
+  for field in dataclasses.fields(configs.RunConfig):
+    cls = field.default_factory  # every RunConfig field is a config dataclass
+    known = {f.name for f in dataclasses.fields(cls)}
+    parts[field.name] = cls(**{k: _tuples(v) for k, v in d.get(field.name, {}).items() if k in known})
+  return configs.RunConfig(**parts)
+
+
+def _flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def config_differences(saved: Dict[str, Any], new: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
+  """(dotted key, saved value, new value) for every setting that differs."""
+  a, b = _flatten(_jsonable(saved)), _flatten(_jsonable(new))
+  return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def check_resumable(saved: Dict[str, Any], new: Dict[str, Any], allowed: Sequence[str] = ()) -> List[str]:
+  """Refuses (ConfigError listing them) differences that are neither operational nor allowed.
+
+  allowed: dotted keys such as "optimizer.learning_rate" or section prefixes such as "optimizer.";
+  "all" allows everything. Returns the differences that were accepted, for the log.
+  """
+  accepted, refused = [], []
+  for key, old, value in config_differences(saved, new):
+    line = f"{key}: {old!r} -> {value!r}"
+    ok = "all" in allowed or any(key == p or (p.endswith(".") and key.startswith(p))
+                                 for p in tuple(allowed) + OPERATIONAL)
+    (accepted if ok else refused).append(line)
+  if refused:
+    raise ConfigError(
+        "--allow_config_changes",
+        "the workdir's checkpoint was trained with a different config:\n  " + "\n  ".join(refused),
+        "resume with the saved settings, use a new --workdir, or allow the changes explicitly with "
+        "--allow_config_changes=" + ",".join(line.split(":")[0] for line in refused))
+  return accepted

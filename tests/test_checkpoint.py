@@ -1,0 +1,211 @@
+"""Orbax checkpoints in the train loop: exact resume across a stage boundary, bad saves skipped,
+configs compared, restores onto other meshes, keep policy, params-only exports."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_model
+from midas_jax import cli, configs
+from midas_jax.checkpoint import (OrbaxCheckpointer, available_steps, export_params, load_model,
+                                  write_params_export)
+from midas_jax.errors import ConfigError, NonFiniteLossError
+from midas_jax.stacking.controller import StageController
+from midas_jax.train import loop
+from midas_jax.train.metrics import read_metrics
+
+TRACKED = ("loss", "grad_norm", "learning_rate", "stage", "depth", "cumulative_flops", "loss/causal")
+
+
+def stacked_run(**overrides):
+  """4 layers grown in 2 stages (boundary at step 3), a save every 2 steps, all kept."""
+  base = dict(
+      model=tiny_model(num_layers=4),
+      optimizer=configs.OptimizerConfig(learning_rate=3e-3, warmup_steps=2),
+      data=configs.DataConfig(seq_len=32, batch_size=8),
+      trainer=configs.TrainerConfig(num_steps=8, log_every=1, eval_every=4, eval_batches=1,
+                                    progress_bar=False, peak_flops_per_device=1e11),
+      stacking=configs.StackingConfig(num_stages=2, stage_steps=(3, 5)),
+      checkpoint=configs.CheckpointConfig(every=2, keep=10))
+  base.update(overrides)
+  return configs.RunConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """One uninterrupted run: (config, workdir)."""
+  config = stacked_run()
+  workdir = str(tmp_path_factory.mktemp("reference"))
+  loop.train(config, workdir)
+  return config, workdir
+
+
+def crashed_copy(reference_dir, dest, keep_steps):
+  """The reference run as a crash would have left it: only the saves of `keep_steps` committed."""
+  shutil.copytree(reference_dir, dest)
+  for step in available_steps(str(dest)):
+    if step not in keep_steps:
+      shutil.rmtree(os.path.join(dest, "checkpoints", str(step)))
+  return str(dest)
+
+
+def assert_same_params(a, b):
+  flat_a, flat_b = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
+  assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+  for (path, x), (_, y) in zip(flat_a, flat_b):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+def tracked(workdir, split="train"):
+  return [(r["step"],) + tuple(r.get(k) for k in TRACKED) for r in read_metrics(workdir, split)]
+
+
+def test_saves_land_at_the_interval_the_boundary_and_the_end_with_metadata(reference):
+  config, workdir = reference
+  assert available_steps(workdir) == [2, 3, 4, 6, 8]  # 3: the grown state at the stage boundary
+  ckpt = OrbaxCheckpointer(workdir, config.checkpoint)
+  meta = ckpt.metadata(3)
+  ckpt.close()
+  assert (meta["step"], meta["stage"], meta["depth"]) == (3, 2, 4)
+  assert [layer["origin"] for layer in meta["lineage"]] == [0, 1, 0, 1]
+  assert meta["growths"][0]["provenance"] == [0, 1, 0, 1]
+  assert meta["config"]["model"]["d_model"] == 32 and meta["data"]["seed"] == 0
+  assert meta["data"]["mixture"]["special_tokens"]  # sentinel and mode-token ids, pinned
+  assert {"jax", "flax", "orbax-checkpoint", "python"} <= set(meta["versions"])
+
+
+@pytest.mark.parametrize("survivors", [{2, 3}, {2}], ids=["at-the-boundary", "before-the-boundary"])
+def test_resume_after_a_crash_is_bitwise_exact(reference, tmp_path, survivors):
+  config, ref_dir = reference
+  workdir = crashed_copy(ref_dir, tmp_path / "run", survivors)
+  result = loop.train(config, workdir)
+  assert result.start_step == max(survivors)
+  assert_same_params(load_model(workdir).params, load_model(ref_dir).params)
+  assert tracked(workdir) == tracked(ref_dir)  # every step once, the same values
+  assert tracked(workdir, "eval") == tracked(ref_dir, "eval")
+  assert json.load(open(os.path.join(workdir, "stages.json")))["growths"][0]["step"] == 3
+
+
+def test_a_corrupt_latest_save_is_reported_and_skipped(reference, tmp_path, capfd):
+  config, ref_dir = reference
+  workdir = crashed_copy(ref_dir, tmp_path / "run", {4, 6})
+  params_dir = os.path.join(workdir, "checkpoints", "6", "params")
+  for root, _, files in os.walk(params_dir):
+    for name in files:
+      if not name.startswith("_"):
+        with open(os.path.join(root, name), "r+b") as f:
+          f.truncate(max(os.path.getsize(f.name) // 3, 1))
+  result = loop.train(config, workdir)
+  assert result.start_step == 4
+  assert "step 6 is unusable" in capfd.readouterr().err
+  assert any(name.startswith("corrupt-6") for name in os.listdir(os.path.join(workdir, "checkpoints")))
+  assert_same_params(load_model(workdir).params, load_model(ref_dir).params)
+
+
+def test_a_different_config_is_refused_with_its_differences_unless_allowed(reference, tmp_path, capsys):
+  config, ref_dir = reference
+  workdir = crashed_copy(ref_dir, tmp_path / "run", {4})
+  changed = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, learning_rate=1e-3),
+                                model=dataclasses.replace(config.model, d_ff=96))
+  with pytest.raises(ConfigError) as err:
+    loop.train(changed, workdir)
+  message = str(err.value)
+  assert "optimizer.learning_rate: 0.003 -> 0.001" in message and "model.d_ff: 64 -> 96" in message
+  assert "--allow_config_changes=model.d_ff,optimizer.learning_rate" in message
+  lr_only = dataclasses.replace(config, optimizer=changed.optimizer,
+                                mesh=configs.MeshConfig(data=2, fsdp=4),  # operational: always allowed
+                                trainer=dataclasses.replace(config.trainer, log_every=2))
+  result = loop.train(lr_only, workdir, allow_config_changes=["optimizer.learning_rate"])
+  assert result.start_step == 4 and result.steps == 8
+
+
+def test_the_cli_refuses_an_incompatible_resume_before_training(reference, tmp_path, capsys):
+  _, ref_dir = reference
+  workdir = crashed_copy(ref_dir, tmp_path / "run", {4})
+  # The saved run has 8 steps; the demo config asks for far more and a different model.
+  code = cli.main(["train", "--gin_file=gin/experiments/cpu_demo.gin", f"--workdir={workdir}"])
+  assert code == 2
+  err = capsys.readouterr().err
+  assert "different config" in err and "trainer.num_steps" in err and "--allow_config_changes" in err
+
+
+@pytest.mark.parametrize("save_devices, restore_devices", [(8, 4), (8, 1), (1, 8)])
+def test_restore_onto_a_different_mesh(tmp_path, save_devices, restore_devices):
+  fsdp = configs.MeshConfig(data=1, fsdp=-1)  # parameters sharded over every device of the mesh
+  config = stacked_run(mesh=fsdp, stacking=configs.StackingConfig(),
+                       trainer=configs.TrainerConfig(num_steps=2, log_every=1, eval_every=0,
+                                                     progress_bar=False, peak_flops_per_device=1e11))
+  loop.train(config, str(tmp_path), devices=jax.devices()[:save_devices])
+  controller = StageController(config, jax.devices()[:restore_devices])
+  stage = controller.stage(1)
+  ckpt = OrbaxCheckpointer(str(tmp_path), config.checkpoint)
+  state = ckpt.restore(stage.experiment, 2)
+  ckpt.close()
+  query = state.params["layers"]["attn"]["query"]
+  assert len(query.sharding.device_set) == restore_devices
+  shardings = jax.tree.leaves(stage.experiment.layout.shardings)
+  assert all(x.sharding == s for x, s in zip(jax.tree.leaves(state), shardings))
+  assert_same_params(jax.device_get(state.params), load_model(str(tmp_path)).params)
+
+
+def test_keep_policy_keeps_the_newest_and_every_mth(tmp_path):
+  config = stacked_run(stacking=configs.StackingConfig(),
+                       trainer=configs.TrainerConfig(num_steps=10, log_every=1, eval_every=0,
+                                                     progress_bar=False, peak_flops_per_device=1e11),
+                       checkpoint=configs.CheckpointConfig(every=1, keep=2, keep_every=4))
+  loop.train(config, str(tmp_path))
+  assert available_steps(str(tmp_path)) == [4, 8, 9, 10]
+
+
+def test_non_finite_parameters_are_never_saved(reference, tmp_path):
+  config, ref_dir = reference
+  controller = StageController(config)
+  stage = controller.stage(2)
+  ckpt = OrbaxCheckpointer(ref_dir, config.checkpoint)
+  state = ckpt.restore(stage.experiment, 8)
+  ckpt.close()
+  bad = state.replace(params=jax.tree.map(lambda x: x * np.nan, state.params))
+  fresh = OrbaxCheckpointer(str(tmp_path), config.checkpoint)
+  with pytest.raises(NonFiniteLossError, match="not finite"):
+    fresh.save(bad, 9, force=True)
+  fresh.close()
+  assert available_steps(str(tmp_path)) == []
+
+
+def test_params_only_export_loads_without_the_optimizer(reference, tmp_path):
+  config, ref_dir = reference
+  out = export_params(ref_dir, str(tmp_path / "export"), step=6)
+  assert sorted(os.listdir(out)) == ["metadata.json", "params"]
+  model = load_model(out)
+  assert (model.step, model.stage, model.model_config.num_layers) == (6, 2, 4)
+  assert_same_params(model.params, load_model(ref_dir, step=6).params)
+  assert model.vocab.vocab_size <= model.model_config.vocab_size
+  with pytest.raises(ConfigError, match="already holds an export"):
+    write_params_export(out, model.params, model.config)
+  with pytest.raises(ConfigError, match="no checkpoint of step 5"):
+    load_model(ref_dir, step=5)
+  with pytest.raises(ConfigError, match="neither a run with checkpoints nor a params-only export"):
+    load_model(str(tmp_path / "nothing"))
+
+
+def test_init_from_an_export_starts_a_new_run_from_its_parameters(reference, tmp_path):
+  config, ref_dir = reference
+  out = export_params(ref_dir, str(tmp_path / "export"))
+  flat = stacked_run(stacking=configs.StackingConfig(),
+                     trainer=dataclasses.replace(config.trainer, num_steps=2, eval_every=0))
+  scratch = loop.train(flat, str(tmp_path / "scratch"))
+  warm = loop.train(dataclasses.replace(flat, checkpoint=configs.CheckpointConfig(init_from=out)),
+                    str(tmp_path / "warm"))
+  assert warm.start_step == 0
+  first = read_metrics(str(tmp_path / "warm"), "train")[0]["loss"]
+  assert first < read_metrics(str(tmp_path / "scratch"), "train")[0]["loss"] - 0.5
+  assert scratch.final_loss > warm.final_loss
+  shallow = dataclasses.replace(flat, model=tiny_model(num_layers=2),
+                                checkpoint=configs.CheckpointConfig(init_from=out))
+  with pytest.raises(ConfigError, match="CheckpointConfig.init_from"):
+    loop.train(shallow, str(tmp_path / "bad"))

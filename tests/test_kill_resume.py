@@ -1,0 +1,148 @@
+"""A run killed with SIGKILL anywhere (mid-step, mid-save, either side of a stage transition) or
+stopped by SIGTERM, then restarted with the same command, ends bitwise identical to a run that was
+never interrupted, and logs the same metrics for every step.
+
+Each kill is triggered by a line the run prints (a step's log line, a save starting, a growth),
+optionally after a random delay, so the kill lands at an arbitrary point of the work that follows.
+"""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT
+from midas_jax.checkpoint import available_steps, load_model
+from midas_jax.train.metrics import read_metrics
+
+# 24 steps, 4 layers grown in 2 stages (Prop-1: the boundary is step 8), a save every 3 steps.
+GIN = """
+ModelConfig.family = 'llama'
+ModelConfig.d_model = 32
+ModelConfig.num_layers = 4
+ModelConfig.num_heads = 4
+ModelConfig.num_kv_heads = 2
+ModelConfig.d_ff = 64
+ModelConfig.max_seq_len = 64
+ModelConfig.dtype = 'float32'
+DataConfig.seq_len = 32
+DataConfig.batch_size = 8
+OptimizerConfig.learning_rate = 3e-3
+OptimizerConfig.warmup_steps = 2
+TrainerConfig.num_steps = 24
+TrainerConfig.log_every = 1
+TrainerConfig.eval_every = 12
+TrainerConfig.eval_batches = 1
+TrainerConfig.progress_bar = False
+TrainerConfig.peak_flops_per_device = 1e11
+StackingConfig.num_stages = 2
+StackingConfig.alpha = 1.0
+CheckpointConfig.every = 3
+CheckpointConfig.keep = 3
+"""
+BOUNDARY = 8
+TRACKED = ("loss", "grad_norm", "learning_rate", "stage", "depth", "cumulative_flops")
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+  root = tmp_path_factory.mktemp("kill")
+  gin_file = root / "run.gin"
+  gin_file.write_text(GIN)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO_ROOT,
+             XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             MIDAS_JAX_CACHE_DIR=str(root / "xla_cache"))
+
+  def run(workdir, trigger=None, delay=0.0, sig=signal.SIGKILL):
+    """Runs `midas train` until `trigger` (a regex) shows in its output, then signals it after
+    `delay` seconds. Returns (signalled, output)."""
+    cmd = [sys.executable, "-u", "-m", "midas_jax", "train", f"--gin_file={gin_file}", f"--workdir={workdir}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=REPO_ROOT)
+    lines = []
+    for line in proc.stdout:
+      lines.append(line)
+      if trigger and re.search(trigger, line):
+        time.sleep(delay)
+        proc.send_signal(sig)
+        rest, _ = proc.communicate(timeout=120)
+        return True, "".join(lines) + rest
+    proc.wait(timeout=120)
+    output = "".join(lines)
+    assert proc.returncode == 0, output[-3000:]
+    return False, output
+
+  reference = str(root / "reference")
+  signalled, _ = run(reference)
+  assert not signalled
+  return run, reference
+
+
+def tracked(workdir, split="train"):
+  return [(r["step"],) + tuple(r.get(k) for k in TRACKED) for r in read_metrics(workdir, split)]
+
+
+def assert_identical_runs(workdir, reference):
+  ours, theirs = load_model(workdir), load_model(reference)
+  assert ours.step == theirs.step == 24
+  for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(ours.params),
+                               jax.tree_util.tree_leaves_with_path(theirs.params)):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+  assert tracked(workdir) == tracked(reference)
+  assert tracked(workdir, "eval") == tracked(reference, "eval")
+  assert [r["step"] for r in read_metrics(workdir, "stage")] == [BOUNDARY]
+
+
+def kill_and_finish(run, workdir, kills):
+  """Applies each (trigger, delay) kill in turn, restarting after each, then runs to the end."""
+  for trigger, delay in kills:
+    signalled, output = run(workdir, trigger, delay)
+    assert signalled, f"the run ended before {trigger!r} showed:\n{output[-2000:]}"
+  signalled, output = run(workdir)
+  assert not signalled
+  return output
+
+
+def test_sigkill_at_five_points_then_resume_is_bitwise_exact(harness, tmp_path):
+  run, reference = harness
+  rng = random.Random(int(os.environ.get("MIDAS_KILL_SEED", "0")))
+  kills = [
+      (r"checkpoint: saving step 3\b", 0.0),  # mid-save: the async write of step 3 in flight
+      (rf"step {rng.randint(4, 6)} train", rng.uniform(0.0, 0.3)),  # somewhere mid-step
+      (rf"step {BOUNDARY - 1} train", 0.0),  # just before the stage transition
+      (rf"step {BOUNDARY} stage", 0.0),  # just after it: the grown state's save in flight
+      (rf"step {rng.randint(BOUNDARY + 2, 20)} train", rng.uniform(0.0, 0.3)),
+  ]
+  output = kill_and_finish(run, str(tmp_path / "run"), kills)
+  assert "resuming from the checkpoint of step" in output
+  assert_identical_runs(str(tmp_path / "run"), reference)
+
+
+def test_sigterm_saves_and_stops_cleanly_and_the_same_command_resumes(harness, tmp_path):
+  run, reference = harness
+  workdir = str(tmp_path / "run")
+  signalled, output = run(workdir, r"step 13 train", 0.0, sig=signal.SIGTERM)
+  assert signalled and "received SIGTERM" in output
+  stopped = int(re.search(r"stopped at step (\d+) after saving", output).group(1))
+  assert stopped >= 13 and stopped in available_steps(workdir)  # the preemption save, committed
+  signalled, output = run(workdir)
+  assert f"resuming from the checkpoint of step {stopped}" in output
+  assert_identical_runs(workdir, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_sigkill_at_random_times(harness, tmp_path, seed):
+  run, reference = harness
+  rng = random.Random(seed)
+  steps = sorted(rng.sample(range(1, 24), 6))
+  kills = [(rf"step {s} (train|stage)", rng.uniform(0.0, 0.5)) for s in steps]
+  kill_and_finish(run, str(tmp_path / "run"), kills)
+  assert_identical_runs(str(tmp_path / "run"), reference)
