@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
 # `register(sub, bench_sub) -> {name: handler}`: it adds its parsers to `sub` (top-level commands) or
 # `bench_sub` (`midas bench NAME`, keyed "bench NAME") and imports nothing heavy at module level.
 # A handler is called as handler(args, bindings) and returns the exit status.
-COMMAND_MODULES: Tuple[str, ...] = ()
+COMMAND_MODULES: Tuple[str, ...] = ("midas_jax.convert.commands",)
 
 
 def _parser_and_plugins() -> Tuple[argparse.ArgumentParser, dict]:

@@ -1,0 +1,74 @@
+"""Export a model at its current depth (a run's checkpoint or a params-only export) to a format."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from midas_jax.configs import ModelConfig, RunConfig
+from midas_jax.convert import hf_config, writers
+from midas_jax.errors import require
+
+
+def unroll_loop(params: Mapping, cfg: ModelConfig) -> Tuple[dict, ModelConfig]:
+  """A looped model as the plain stack it computes: each application of the loop becomes a layer copy."""
+  from midas_jax.model import looping  # pylint: disable=import-outside-toplevel  (jax: not at import time)
+  order = looping.order_for(cfg)
+  if order is None:
+    return dict(params), cfg
+
+  def gather(tree):
+    return {k: gather(v) if isinstance(v, Mapping) else np.asarray(v)[order] for k, v in tree.items()}
+
+  unrolled = dataclasses.replace(cfg, num_layers=len(order), loop_start=0, loop_size=0, loop_repeats=1)
+  return {**params, "layers": gather(params["layers"])}, unrolled
+
+
+def prepare_out_dir(out_dir: str, flag: str = "--out") -> str:
+  """Creates out_dir; refuses a file or a non-empty directory (nothing is ever overwritten)."""
+  out_dir = os.path.abspath(os.path.expanduser(out_dir))
+  require(not os.path.isfile(out_dir), flag, f"{out_dir} is a file", "pass a directory path")
+  require(not (os.path.isdir(out_dir) and os.listdir(out_dir)), flag, f"{out_dir} is not empty",
+          "choose a new directory: conversion never overwrites files")
+  os.makedirs(out_dir, exist_ok=True)
+  return out_dir
+
+
+def export_params(params: Mapping, model_config: ModelConfig, run_config: RunConfig, out_dir: str,
+                  fmt: str = "hf", provenance: Optional[Dict[str, Any]] = None) -> List[str]:
+  """Writes `params` of `model_config` (the current depth) in `fmt`; returns the file names written.
+
+  run_config is the run's config (its data config names the vocabulary); provenance (step, stage,
+  lineage, ...) is recorded in midas_jax.json so `midas import` can restore the run's settings.
+  """
+  require(fmt in writers.FORMATS, "--format", f"unknown format {fmt!r}", f"use one of {writers.FORMATS}")
+  params, cfg = unroll_loop(params, model_config)
+  if fmt != "npz":
+    hf_config.check_exportable(cfg)
+  out_dir = prepare_out_dir(out_dir)
+  provenance = dict(provenance or {})
+  provenance.update(depth=cfg.num_layers, exported_format=fmt, unrolled_loop=cfg is not model_config)
+  provenance.setdefault("step", 0)
+  provenance.setdefault("stage", 1)
+  from midas_jax.checkpoint import metadata as metadata_lib  # pylint: disable=import-outside-toplevel
+  provenance["config"] = metadata_lib.config_to_dict(run_config)
+  provenance["model_config"] = dataclasses.asdict(cfg)
+  writers.write_provenance(out_dir, provenance)
+  if fmt == "hf":
+    return writers.write_hf(out_dir, params, cfg, run_config, provenance)
+  if fmt == "torch":
+    return writers.write_torch(out_dir, params, cfg, run_config.data, provenance)
+  return writers.write_npz(out_dir, params, cfg, provenance)
+
+
+def export_model(path: str, out_dir: str, fmt: str = "hf", step: Optional[int] = None) -> List[str]:
+  """Loads a run's workdir (latest good checkpoint, or `step`) or a params-only export, and exports it."""
+  from midas_jax.checkpoint import load_model  # pylint: disable=import-outside-toplevel
+  require(fmt in writers.FORMATS, "--format", f"unknown format {fmt!r}", f"use one of {writers.FORMATS}")
+  loaded = load_model(path, step)
+  provenance = {k: v for k, v in loaded.metadata.items() if k not in ("config",)}
+  provenance.update(source=os.path.abspath(path), step=loaded.step, stage=loaded.stage)
+  return export_params(loaded.params, loaded.model_config, loaded.config, out_dir, fmt, provenance)
