@@ -24,6 +24,7 @@ import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
+from midas_jax import distributed
 from midas_jax.errors import ConfigError, NonFiniteLossError
 
 
@@ -59,10 +60,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="comma-separated settings (e.g. optimizer.learning_rate,trainer.num_steps, or a "
                           "section like optimizer.) that may differ from the checkpoint's config on resume; "
                           "'all' allows any change")
+  distributed.add_flags(train)
 
   comp = sub.add_parser("compare", help="train a stacked config and its full-depth baseline side by side")
   _add_gin_flags(comp)
   comp.add_argument("--workdir", required=True, help="output: one folder per run, table and loss-vs-FLOPs plot")
+  distributed.add_flags(comp)
 
   inspect = sub.add_parser("inspect", help="JSON: step, stage, depth, schedule and layer provenance of a run")
   inspect.add_argument("--workdir", required=True)
@@ -112,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
 # `register(sub, bench_sub) -> {name: handler}`: it adds its parsers to `sub` (top-level commands) or
 # `bench_sub` (`midas bench NAME`, keyed "bench NAME") and imports nothing heavy at module level.
 # A handler is called as handler(args, bindings) and returns the exit status.
-COMMAND_MODULES: Tuple[str, ...] = ("midas_jax.convert.commands",)
+COMMAND_MODULES: Tuple[str, ...] = ("midas_jax.convert.commands", "midas_jax.scale_commands")
 
 
 def _parser_and_plugins() -> Tuple[argparse.ArgumentParser, dict]:
@@ -149,6 +152,7 @@ def enable_compilation_cache() -> None:
 
 
 def _train(args, bindings) -> int:
+  distributed.initialize(args)  # before anything asks jax for its devices
   from midas_jax.train.loop import train  # pylint: disable=import-outside-toplevel
   enable_compilation_cache()
   config, gin_config = _load_run_config(args.gin_file, bindings)
@@ -162,6 +166,7 @@ def _train(args, bindings) -> int:
 
 
 def _compare(args, bindings) -> int:
+  distributed.initialize(args)
   from midas_jax import compare  # pylint: disable=import-outside-toplevel
   enable_compilation_cache()
   config, gin_config = _load_run_config(args.gin_file, bindings)

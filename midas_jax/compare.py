@@ -13,6 +13,8 @@ import json
 import os
 from typing import Dict, List
 
+import jax
+
 from midas_jax.configs import RunConfig, StackingConfig
 from midas_jax.train import loop
 from midas_jax.train.metrics import read_metrics
@@ -88,22 +90,27 @@ def plot_loss_vs_flops(rows: List[Dict[str, object]], growths: List[dict], path:
   plt.close(fig)
 
 
-def compare(config: RunConfig, workdir: str, operative_config: str = "") -> Dict[str, object]:
+def compare(config: RunConfig, workdir: str, operative_config: str = "",
+            save_checkpoints: bool = True) -> Dict[str, object]:
+  """save_checkpoints=False times training alone (the stacking benchmark)."""
   workdir = loop.prepare_workdir(workdir)
   rows, growths = [], []
   for name, cfg in run_pair(config).items():
-    result = loop.train(cfg, os.path.join(workdir, name), operative_config=operative_config)
+    checkpointer = None if save_checkpoints else loop.NoCheckpointer()
+    result = loop.train(cfg, os.path.join(workdir, name), operative_config=operative_config,
+                        checkpointer=checkpointer)
     rows.append(summarize(name, result))
     growths = result.growths or growths
   baseline, stacked = rows
   report = {"runs": rows, "growths": growths,
             "measured_speedup": baseline["train_seconds"] / max(stacked["train_seconds"], 1e-9),
             "flop_ratio": baseline["total_flops"] / stacked["total_flops"]}
-  with open(os.path.join(workdir, "comparison.json"), "w") as f:
-    json.dump(report, f, indent=2)
   table = markdown_table(rows)
-  with open(os.path.join(workdir, "comparison.md"), "w") as f:
-    f.write(table + "\n")
-  plot_loss_vs_flops(rows, growths, os.path.join(workdir, "loss_vs_flops.png"))
+  if jax.process_index() == 0:  # files come from process 0 only
+    with open(os.path.join(workdir, "comparison.json"), "w") as f:
+      json.dump(report, f, indent=2)
+    with open(os.path.join(workdir, "comparison.md"), "w") as f:
+      f.write(table + "\n")
+    plot_loss_vs_flops(rows, growths, os.path.join(workdir, "loss_vs_flops.png"))
   report["table"] = table
   return report

@@ -1,0 +1,76 @@
+"""What the launchers share: the midas command after `--`, and running (or printing) shell commands.
+
+Plain standard-library Python, so the launchers start instantly and need no installed package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from typing import List, Optional, Sequence, Tuple, Union
+
+Command = Union[str, Sequence[str]]
+
+
+def split_midas_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+  """(launcher args, midas args): everything after the first `--` is the midas command line."""
+  argv = list(argv)
+  if "--" not in argv:
+    return argv, []
+  cut = argv.index("--")
+  return argv[:cut], argv[cut + 1:]
+
+
+def require_midas_args(parser: argparse.ArgumentParser, midas_args: Sequence[str]) -> None:
+  if not midas_args:
+    parser.error("no midas command: end the launcher's flags with `--` followed by e.g. "
+                 "`train --gin_file=gin/experiments/cpu_demo.gin --workdir=DIR`")
+
+
+def flag_value(args: Sequence[str], name: str) -> Optional[str]:
+  """The value of `--name=V` or `--name V` in a midas command line, if present."""
+  for i, arg in enumerate(args):
+    if arg.startswith(f"--{name}="):
+      return arg.split("=", 1)[1]
+    if arg == f"--{name}" and i + 1 < len(args):
+      return args[i + 1]
+  return None
+
+
+def add_dry_run(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
+                      help="print the commands instead of running them")
+
+
+def as_text(cmd: Command) -> str:
+  return cmd if isinstance(cmd, str) else shlex.join(cmd)
+
+
+class Runner:
+  """Runs commands, or with dry_run prints each as one shell line (`# ...` lines are comments)."""
+
+  def __init__(self, dry_run: bool, out=None):
+    self.dry_run = dry_run
+    self.out = out or sys.stdout
+
+  def note(self, text: str) -> None:
+    print(f"# {text}", file=self.out, flush=True)
+
+  def run(self, cmd: Command, check: bool = True) -> int:
+    print(as_text(cmd), file=self.out, flush=True)
+    if self.dry_run:
+      return 0
+    result = subprocess.run(cmd, shell=isinstance(cmd, str), check=False)
+    if check and result.returncode != 0:
+      raise SystemExit(f"command failed with exit status {result.returncode}: {as_text(cmd)}")
+    return result.returncode
+
+  def succeeds(self, cmd: Command) -> bool:
+    """Whether a probe (e.g. `describe`) exits 0; a dry run prints it and assumes it does not."""
+    print(as_text(cmd), file=self.out, flush=True)
+    if self.dry_run:
+      return False
+    return subprocess.run(cmd, shell=isinstance(cmd, str), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, check=False).returncode == 0

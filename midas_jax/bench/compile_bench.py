@@ -1,0 +1,328 @@
+"""`midas bench compile`: will the train step fit, per device, before anything is launched?
+
+Three ways to answer, each labelled in the report:
+  * compiled on this machine's devices (real, or simulated CPU devices): the train step is
+    lowered and compiled ahead of time from abstract shapes (nothing is allocated), and XLA's
+    memory analysis gives the argument, output and temporary bytes per device;
+  * compiled for a TPU slice (e.g. `--topology=v5p-128`): jax describes the slice without the
+    hardware when libtpu is installed (`pip install 'midas_jax[tpu]'`), and the TPU compiler
+    itself reports the memory;
+  * analytic, where no compiler for the target is at hand (a TPU slice without libtpu, GPUs):
+    parameter and optimizer bytes from the shardings (exact), activations from a formula that
+    follows the model's tensors and the remat policy (an estimate).
+Parameter and optimizer bytes always come from the shardings, so the three agree on those; the
+compiled paths also check them against XLA's argument size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, NamedSharding
+
+from midas_jax import flops, sharding
+from midas_jax.configs import ModelConfig, RunConfig
+from midas_jax.errors import ConfigError, require
+from midas_jax.model import Decoder, dummy_batch
+from midas_jax.train import optimizer as optimizer_lib
+from midas_jax.train.experiment import Experiment, learning_rate
+from midas_jax.train.state import StateLayout, state_layout
+
+GIB = 1024 ** 3
+# Per-device memory (bytes) of the accelerators the mesh files in gin/meshes/ target.
+HBM_BYTES = {"v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "gpu": 80 * 10 ** 9}
+TPU_GENERATIONS = {"v4": ("v4", "megacore", 2), "v5p": ("v5", "megacore", 2),
+                   "v5e": ("v5e", "default", 1), "v5litepod": ("v5e", "default", 1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What to compile for. platform: "local" (this machine's devices), "tpu" or "gpu"."""
+
+  name: str
+  platform: str
+  num_devices: int
+  hbm_bytes: Optional[int] = None
+  topology: Optional[str] = None  # jax's topology name, e.g. "v5:4x4x4"
+  chip_config: Optional[str] = None
+
+
+def _torus_shape(chips: int, dims: int) -> Tuple[int, ...]:
+  """The slice shape gcloud gives `chips` chips: as cubic (3-D) or square (2-D) as powers of 2 allow."""
+  require(chips >= 1 and chips & (chips - 1) == 0, "--topology", f"{chips} chips is not a power of 2",
+          "use a slice size gcloud offers, e.g. v4-64, v5litepod-64, v5p-128")
+  shape = [1] * dims
+  exponent = int(math.log2(chips))
+  for i in range(exponent):  # hand out factors of 2 round-robin, smallest first: 2x2x1, 2x2x2, 2x2x4, ...
+    shape[i % dims] *= 2
+  return tuple(sorted(shape, key=lambda n: (n == 1, n)))  # gcloud writes 2x2x1, not 1x2x2
+
+
+def parse_target(name: Optional[str]) -> Target:
+  """None: this machine's devices. `v4-64`, `v5litepod-64` (or `v5e-64`), `v5p-128`: a TPU slice
+  named as gcloud names it (v4 and v5p count TensorCores, two per chip; v5e counts chips).
+  `gpu-8`: N GPUs of 80 GB (analytic only)."""
+  if name is None:
+    return Target("local", "local", len(jax.devices()))
+  m = re.fullmatch(r"(v4|v5p|v5e|v5litepod|gpu)-(\d+)", name.strip().lower())
+  if not m:
+    raise ConfigError("--topology", f"unknown topology {name!r}",
+                      "use a TPU slice such as v4-64, v5litepod-64, v5p-128, or gpu-N (e.g. gpu-8)")
+  kind, count = m.group(1), int(m.group(2))
+  if kind == "gpu":
+    require(count >= 1, "--topology", "needs at least one GPU", "e.g. --topology=gpu-8")
+    return Target(name, "gpu", count, HBM_BYTES["gpu"])
+  prefix, chip_config, cores_per_chip = TPU_GENERATIONS[kind]
+  require(count % cores_per_chip == 0, "--topology", f"{name}: {kind} slices come in multiples of "
+          f"{cores_per_chip}", f"e.g. --topology={kind}-{8 * cores_per_chip}")
+  chips = count // cores_per_chip
+  shape = _torus_shape(chips, 2 if prefix == "v5e" else 3)
+  generation = "v5e" if prefix == "v5e" else kind
+  return Target(name, "tpu", chips, HBM_BYTES[generation], f"{prefix}:{'x'.join(map(str, shape))}", chip_config)
+
+
+def tpu_devices(target: Target) -> Tuple[Optional[List[Any]], str]:
+  """The slice's devices as jax describes them without the hardware, or (None, why not)."""
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  dims = [int(x) for x in target.topology.split(":")[1].split("x")]
+  per_host = tuple(min(d, 2) for d in dims) + (1,) * (3 - len(dims))  # 4-chip hosts
+  try:
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
+                                        chip_config_name=target.chip_config, chips_per_host_bounds=per_host,
+                                        num_slices=1)
+  except Exception as e:  # pylint: disable=broad-except
+    return None, f"jax cannot describe a TPU slice on this machine ({str(e).splitlines()[0]})"
+  return list(desc.devices), ""
+
+
+def vocab_size_of(config: RunConfig) -> int:
+  """The padded vocabulary: ModelConfig.vocab_size when set (no data or tokenizer needed), else the data's."""
+  if config.model.vocab_size is not None:
+    return config.model.vocab_size
+  from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
+  return config.model.with_vocab(make_vocabulary(config.data).vocab_size).vocab_size
+
+
+def _parts(config: RunConfig, mesh, num_layers: Optional[int] = None):
+  model_config = dataclasses.replace(config.model, vocab_size=vocab_size_of(config))
+  if num_layers is not None:
+    model_config = dataclasses.replace(model_config, num_layers=num_layers)
+  sharding.check_divisibility(model_config, mesh, config.data.batch_size)
+  model = Decoder(model_config)
+  schedule = learning_rate(config)
+  tx = optimizer_lib.make_optimizer(config.optimizer, config.trainer.num_steps, schedule)
+  rules = config.mesh.rules_as_tuples()
+  layout = state_layout(model, tx, mesh, rules, config.data.seq_len)
+  return model_config, model, tx, schedule, rules, layout
+
+
+def _leaf_bytes(abstract, shardings) -> int:
+  return sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+             for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
+
+
+def state_bytes(layout: StateLayout) -> Dict[str, int]:
+  """Per-device bytes of the parameters and of the optimizer state (with the step counter), exact."""
+  return {"params": _leaf_bytes(layout.abstract.params, layout.shardings.params),
+          "optimizer": _leaf_bytes((layout.abstract.opt_state, layout.abstract.step),
+                                   (layout.shardings.opt_state, layout.shardings.step))}
+
+
+def _local(value: int, ways: int) -> int:
+  return value // ways if value % ways == 0 else value
+
+
+def activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, tensor: int = 1,
+                     num_layers: Optional[int] = None) -> Dict[str, int]:
+  """Analytic activation memory of one device's backward pass, by part.
+
+  rows: the rows of the global batch this device holds. `saved` is what the forward keeps for the
+  backward pass, per layer, under the remat policy (all layers together); `working` is one layer's
+  full set while its gradient is taken (recomputed under remat), attention scores included, since
+  jax.nn.dot_product_attention's XLA path materializes them ([rows, heads, T, T]); `logits` are the
+  float32 logits, their softmax and their gradient.
+  """
+  layers = cfg.num_layers if num_layers is None else num_layers
+  c = jnp.dtype(cfg.dtype).itemsize
+  b, t, d, hd = rows, seq_len, cfg.d_model, cfg.resolved_head_dim
+  h, kv = _local(cfg.num_heads, tensor), _local(cfg.kv_heads, tensor)
+  f, v = _local(cfg.d_ff, tensor), _local(cfg.vocab_size, tensor)
+  mlp = 3 * f if cfg.family == "llama" else 2 * f  # gate, up, their product (llama); fc, gelu (gpt2)
+  tokens = b * t
+  everything = tokens * c * (4 * d + (2 * h + 2 * kv) * hd + h * hd + mlp) + b * h * t * t * c
+  matmul_outputs = tokens * c * (3 * d + (h + 2 * kv) * hd + (2 * f if cfg.family == "llama" else f))
+  per_layer = {"none": everything,
+               "minimal": matmul_outputs,
+               "save_dots": matmul_outputs + b * h * t * t * 4 + tokens * h * hd * c,
+               "full": tokens * d * c}[cfg.remat_policy]
+  return {"saved": layers * per_layer,
+          "working": everything + b * h * t * t * 4 * 2,  # + float32 scores and their softmax
+          "logits": 3 * tokens * v * 4}
+
+
+def _batch_spec(config: RunConfig, mesh) -> Dict[str, jax.ShapeDtypeStruct]:
+  shapes = jax.eval_shape(lambda: dummy_batch(config.data.batch_size, config.data.seq_len))
+  where = NamedSharding(mesh, sharding.batch_sharding(mesh).spec)
+  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=where) for k, v in shapes.items()}
+
+
+def batch_bytes(config: RunConfig, rows: int) -> int:
+  """Per-device bytes of one device's rows of the batch (the step's other argument)."""
+  shapes = jax.eval_shape(lambda: dummy_batch(rows, config.data.seq_len))
+  return sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in shapes.values())
+
+
+def compile_train_step(config: RunConfig, devices: Sequence[Any]) -> Dict[str, int]:
+  """XLA's memory analysis of the train step compiled for `devices`, allocating nothing."""
+  mesh = sharding.make_mesh(config.mesh, devices)
+  model_config, model, tx, schedule, rules, layout = _parts(config, mesh)
+  experiment = Experiment(config=config, model_config=model_config, vocab=None, pipeline=None, mesh=mesh,
+                          rules=rules, model=model, tx=tx, schedule=schedule, layout=layout)
+  state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                       layout.abstract, layout.shardings)
+  with experiment.context():
+    compiled = experiment.jit_train_step().lower(state, _batch_spec(config, mesh)).compile()
+  stats = compiled.memory_analysis()
+  names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+           "generated_code_size_in_bytes")
+  return {n.replace("_size_in_bytes", ""): int(getattr(stats, n)) for n in names}
+
+
+def _growth_peak(config: RunConfig, mesh, final_state: Dict[str, int]) -> Optional[int]:
+  """State bytes while the last growth runs: the old and the new layers' state side by side."""
+  stacking = config.stacking
+  if stacking.num_stages == 1:
+    return None
+  block = stacking.resolved_block_size(config.model.num_layers)
+  before = sum(state_bytes(_parts(config, mesh, config.model.num_layers - block)[-1]).values())
+  after = sum(final_state.values())
+  per_layer = (after - before) / block
+  shared = after - per_layer * config.model.num_layers  # embeddings, final norm, step count
+  return int(before + after - shared)
+
+
+def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
+        hbm_gib: Optional[float] = None) -> Dict[str, Any]:
+  """The per-device memory report. method: "auto" (compile where possible), "compile" or "analytic"."""
+  require(method in ("auto", "compile", "analytic"), "--method", f"unknown method {method!r}",
+          "use auto, compile or analytic")
+  target = parse_target(topology)
+  shape = sharding.resolve_mesh_shape(config.mesh, target.num_devices)
+  abstract_mesh = AbstractMesh(shape, sharding.MESH_AXES)
+  model_config, _, _, _, _, layout = _parts(config, abstract_mesh)
+  states = state_bytes(layout)
+  rows = config.data.batch_size // (shape[0] * shape[1])
+  act = activation_bytes(model_config, rows, config.data.seq_len, tensor=shape[2])
+  # fsdp gathers each layer's weights (in the compute dtype) before use; two layers are in flight.
+  layer_params = flops.param_counts(model_config)["per_layer"]
+  gathered = 2 * layer_params * jnp.dtype(model_config.dtype).itemsize // shape[2] if shape[1] > 1 else 0
+  analytic = dict(states, gradients=states["params"], gathered_weights=gathered,
+                  activations=sum(act.values()))
+  analytic["total"] = sum(analytic.values())
+  report: Dict[str, Any] = {
+      "target": target.name, "platform": target.platform, "devices": target.num_devices,
+      "mesh": dict(zip(sharding.MESH_AXES, shape)),
+      "model": {"params": flops.param_counts(model_config)["total"], "layers": model_config.num_layers,
+                "d_model": model_config.d_model, "remat_policy": model_config.remat_policy,
+                "dtype": model_config.dtype, "param_dtype": model_config.param_dtype},
+      "batch": {"global": config.data.batch_size, "rows_per_device": rows, "seq_len": config.data.seq_len,
+                "bytes_per_device": batch_bytes(config, rows)},
+      "analytic": analytic, "activation_parts": act,
+      "growth_peak_state": _growth_peak(config, abstract_mesh, states),
+      "hbm": int(hbm_gib * GIB) if hbm_gib else target.hbm_bytes,
+  }
+  devices, why = None, ""
+  if method != "analytic":
+    if target.platform == "local":
+      devices = jax.devices()
+      limit = (devices[0].memory_stats() or {}).get("bytes_limit")  # a GPU's; CPUs report none
+      report["hbm"] = report["hbm"] or limit
+    elif target.platform == "tpu":
+      devices, why = tpu_devices(target)
+    else:
+      why = "jax cannot compile for GPUs without them"
+    if devices is None and method == "compile":
+      raise ConfigError("--method", f"cannot compile for {target.name}: {why}",
+                        "install libtpu (pip install 'midas_jax[tpu]') for TPU slices, or use --method=analytic")
+  if devices is not None:
+    report.update(method="compiled", device_kind=devices[0].device_kind)
+    try:
+      memory = compile_train_step(config, devices)
+    except Exception as e:  # pylint: disable=broad-except
+      # The TPU compiler refuses a program that does not fit its HBM, saying by how much.
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      report.update(compiled=None, compile_error=str(e).splitlines()[0], total=analytic["total"], fits=False)
+      report["max_global_batch"] = _max_global_batch(analytic, rows, report["hbm"], shape)
+      return report
+    memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+    report.update(compiled=memory, total=memory["peak"])
+  else:
+    report.update(method="analytic", note=why or "analytic estimate requested")
+    report["total"] = analytic["total"]
+  hbm = report["hbm"]
+  report["fits"] = None if hbm is None else bool(report["total"] <= hbm)
+  report["max_global_batch"] = _max_global_batch(analytic, rows, hbm, shape)
+  return report
+
+
+def _max_global_batch(analytic: Dict[str, int], rows: int, hbm: Optional[int],
+                      shape: Tuple[int, int, int]) -> Optional[int]:
+  """The largest global batch whose analytic total fits `hbm` (activations grow with the rows)."""
+  if hbm is None or rows == 0:
+    return None
+  per_row = analytic["activations"] / rows
+  fixed = analytic["total"] - analytic["activations"]
+  return max(0, int((hbm - fixed) // per_row)) * shape[0] * shape[1]
+
+
+def _gib(n: Optional[float]) -> str:
+  """Bytes in the largest binary unit that keeps the number >= 1."""
+  if n is None:
+    return "-"
+  for unit, scale in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+    if abs(n) >= scale:
+      return f"{n / scale:.2f} {unit}"
+  return f"{int(n)} B"
+
+
+def format_report(r: Dict[str, Any]) -> str:
+  mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
+  m, b, a = r["model"], r["batch"], r["analytic"]
+  lines = [f"target          {r['target']} ({r['devices']} devices{', ' + r['device_kind'] if 'device_kind' in r else ''}), mesh {mesh}",
+           f"model           {m['params'] / 1e9:.2f}B params, {m['layers']} layers, d_model {m['d_model']}, "
+           f"{m['dtype']} compute, {m['param_dtype']} params, remat {m['remat_policy']}",
+           f"batch           {b['global']} x {b['seq_len']} ({b['rows_per_device']} rows per device)",
+           "per device      (parameters and optimizer exact, from the shardings)",
+           f"  parameters    {_gib(a['params'])}",
+           f"  optimizer     {_gib(a['optimizer'])}"]
+  if r.get("compile_error"):
+    lines.append(f"compiled        {r['target']}: the compiler refused it: {r['compile_error']}")
+  elif r["method"] == "compiled":
+    c = r["compiled"]
+    lines += [f"compiled        {r['target']}: arguments {_gib(c['argument'])}, outputs {_gib(c['output'])} "
+              f"(aliased {_gib(c['alias'])}), temporaries {_gib(c['temp'])} "
+              "(activations, gradients, gathered weights)",
+              f"  peak          {_gib(c['peak'])} (arguments + outputs - aliased + temporaries)"]
+  else:
+    lines.append(f"analytic        {r['note']}")
+  lines += [f"  analytic      gradients {_gib(a['gradients'])}, gathered weights {_gib(a['gathered_weights'])}, "
+            f"activations {_gib(a['activations'])} (saved {_gib(r['activation_parts']['saved'])}, "
+            f"one layer's working set {_gib(r['activation_parts']['working'])}, "
+            f"logits {_gib(r['activation_parts']['logits'])}) -> total {_gib(a['total'])}"]
+  if r["growth_peak_state"] is not None:
+    lines.append(f"  last growth   old and new state side by side: {_gib(r['growth_peak_state'])}")
+  verdict = "unknown (no memory size for this target; pass --hbm_gib)" if r["fits"] is None else (
+      f"{'fits' if r['fits'] else 'does NOT fit'} in {_gib(r['hbm'])} per device "
+      f"({'the compiler refused it; analytic' if r.get('compile_error') else r['method']}: {_gib(r['total'])})")
+  lines.append(f"verdict         {verdict}")
+  if r["max_global_batch"] is not None:
+    lines.append(f"largest batch   {r['max_global_batch']} rows of {b['seq_len']} fit by the analytic count "
+                 "(set DataConfig.batch_size)")
+  return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""`midas bench compile`: per-device memory from an ahead-of-time compile, checked against counts
+made here, and the analytic path for a TPU slice this machine cannot compile for."""
+
+import dataclasses
+import glob
+import json
+import os
+
+import pytest
+
+from conftest import REPO_ROOT, tiny_model, tiny_run
+from midas_jax import cli, configs, flops, gin_config
+from midas_jax.bench import compile_bench
+
+
+def _fsdp_run(batch_size, **model):
+  return tiny_run(model=tiny_model(num_layers=4, d_model=64, d_ff=128, vocab_size=512, **model),
+                  mesh=configs.MeshConfig(data=1, fsdp=-1), data=configs.DataConfig(seq_len=64, batch_size=batch_size))
+
+
+def test_compiled_on_the_simulated_mesh_matches_independent_counts():
+  small, large = compile_bench.run(_fsdp_run(8)), compile_bench.run(_fsdp_run(16))
+  assert small["method"] == "compiled" and small["devices"] == 8 and small["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+  # Every parameter has one `embed` axis, split 8 ways under fsdp: float32 params / 8 per device.
+  params = flops.param_counts(tiny_model(num_layers=4, d_model=64, d_ff=128, vocab_size=512))["total"]
+  per_device = params * 4 // 8
+  a = small["analytic"]
+  assert a["params"] == per_device
+  assert 0 <= a["optimizer"] - 2 * per_device <= 64  # Adam's mu and nu, plus a few int32 step counts
+  # XLA's own count of the step's inputs: the state plus one row of seven [64] arrays (one of them bool).
+  batch = 1 * 64 * (6 * 4 + 1)
+  assert small["batch"]["bytes_per_device"] == batch
+  assert small["compiled"]["argument"] == a["params"] + a["optimizer"] + batch
+  assert small["compiled"]["alias"] == a["params"] + a["optimizer"]  # the donated state is updated in place
+  # Activations grow with the rows each device holds; the formula's growth per row must agree with
+  # the compiler's (CPU XLA fuses differently from TPU, hence the tolerance).
+  compiled_per_row = large["compiled"]["temp"] - small["compiled"]["temp"]
+  analytic_per_row = large["analytic"]["activations"] - small["analytic"]["activations"]
+  assert 0.5 < compiled_per_row / analytic_per_row < 2.0
+  assert small["fits"] is None and "unknown" in compile_bench.format_report(small)
+
+
+def test_tpu_slices_are_named_as_gcloud_names_them():
+  for name, devices, topology in (("v4-64", 32, "v4:2x4x4"), ("v4-8", 4, "v4:2x2x1"), ("v5p-128", 64, "v5:4x4x4"),
+                                  ("v5litepod-256", 256, "v5e:16x16"), ("v5e-8", 8, "v5e:2x4")):
+    target = compile_bench.parse_target(name)
+    assert (target.num_devices, target.topology) == (devices, topology), name
+  assert compile_bench.parse_target("gpu-8").num_devices == 8
+
+
+def test_analytic_estimate_for_a_tpu_slice():
+  config = _fsdp_run(64)
+  report = compile_bench.run(config, topology="v5p-16", method="analytic")
+  assert report["method"] == "analytic" and report["devices"] == 8 and report["mesh"]["fsdp"] == 8
+  local = compile_bench.run(config, method="analytic")  # the same mesh shape on the simulated devices
+  assert report["analytic"] == local["analytic"]  # the mesh shape fixes every figure, not the device kind
+  assert report["hbm"] == 95 * 2 ** 30 and report["fits"] is True
+  assert report["max_global_batch"] >= 64
+  text = compile_bench.format_report(report)
+  assert "analytic" in text and "fits in 95.00 GiB" in text
+  auto = compile_bench.run(config, topology="v5p-16")
+  if compile_bench.tpu_devices(compile_bench.parse_target("v5p-16"))[0] is None:  # no libtpu here
+    assert auto["method"] == "analytic" and "cannot describe a TPU slice" in auto["note"]
+
+
+def test_remat_policies_order_the_activation_estimate():
+  model = tiny_model(num_layers=8, d_model=64, d_ff=128, vocab_size=512)
+  saved = {policy: compile_bench.activation_bytes(dataclasses.replace(model, remat_policy=policy),
+                                                  rows=4, seq_len=256)["saved"]
+           for policy in ("none", "save_dots", "minimal", "full")}
+  assert saved["none"] > saved["save_dots"] > saved["minimal"] > saved["full"]
+  assert saved["full"] == 8 * 4 * 256 * 64 * 4  # one float32 layer input per layer
+
+
+def test_cli_reports_a_paper_config_and_every_paper_experiment_parses(tmp_path, capsys):
+  out = tmp_path / "report.json"
+  status = cli.main(["bench", "compile", "--gin_file=gin/experiments/paper_1b_midas_prop1.gin",
+                     "--gin_file=gin/meshes/tpu_v5p_128.gin", "--topology=v5p-128", "--method=analytic",
+                     f"--json={out}"])
+  assert status == 0
+  report = json.loads(out.read_text())
+  assert report["model"]["layers"] == 24 and 1.0e9 < report["model"]["params"] < 1.1e9
+  assert report["mesh"] == {"data": 1, "fsdp": 64, "tensor": 1} and report["batch"]["rows_per_device"] == 4
+  assert report["growth_peak_state"] > report["analytic"]["params"] + report["analytic"]["optimizer"]
+  assert "verdict" in capsys.readouterr().out
+  sizes = {"1b": (1.0e9, 1.1e9, 24), "2b": (2.0e9, 2.1e9, 30), "8b": (8.1e9, 8.3e9, 48)}
+  files = sorted(glob.glob(os.path.join(REPO_ROOT, "gin", "experiments", "paper_*.gin")))
+  assert len(files) == 15
+  for path in files:
+    gin_config.parse([path], [])
+    config = gin_config.run_config_from_gin()
+    low, high, layers = sizes[os.path.basename(path).split("_")[1]]
+    assert low < flops.param_counts(config.model)["total"] < high and config.model.num_layers == layers
+    assert config.stacking.num_stages == (1 if path.endswith("baseline.gin") else 6), path
+    assert open(path).readline().startswith("# "), path
+
+
+@pytest.mark.parametrize("flag", ["--topology=v9-8", "--topology=v4-6"])
+def test_bad_topology_is_a_config_error(flag, capsys):
+  assert cli.main(["bench", "compile", "--gin_file=gin/experiments/cpu_demo.gin", flag]) == 2
+  assert "--topology" in capsys.readouterr().err

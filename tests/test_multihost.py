@@ -1,0 +1,119 @@
+"""Two processes of 4 simulated CPU devices each train exactly as one process of 8 devices.
+
+The single process is `midas train` run here, on the test session's 8 simulated devices; the pair
+is two `python -m midas_jax train` processes started by launch/local.py and joined by
+jax.distributed on 127.0.0.1. The config is a tiny MIDAS run that grows from 2 to 4 layers at
+step 3, with the state sharded over all 8 devices (fsdp), so every step crosses the process
+boundary. The pair must log the same losses and end with the same parameters as the single
+process; then the pair's run is rewound to its checkpoint before the growth and resumed, and must
+grow and end at the same parameters again.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+from conftest import REPO_ROOT
+from midas_jax import cli
+from midas_jax.checkpoint import available_steps, checkpoint_dir, load_model
+
+NUM_STEPS = 6  # steps 0-2 at depth 2, growth at step 3, steps 3-5 at depth 4
+GROWTH_STEP, REWIND_TO = 3, 2
+ARGS = [
+    "train", "--gin_file=gin/experiments/midas_cpu.gin",
+    "--gin.ModelConfig.d_model=32", "--gin.ModelConfig.num_layers=4", "--gin.ModelConfig.num_heads=4",
+    "--gin.ModelConfig.num_kv_heads=2", "--gin.ModelConfig.d_ff=64", "--gin.ModelConfig.dtype='float32'",
+    "--gin.StackingConfig.num_stages=2", "--gin.StackingConfig.block_size=2",
+    "--gin.StackingConfig.stage_steps=(3, 3)",
+    f"--gin.TrainerConfig.num_steps={NUM_STEPS}", "--gin.TrainerConfig.log_every=1",
+    "--gin.TrainerConfig.eval_every=0", "--gin.TrainerConfig.progress_bar=False",
+    "--gin.TrainerConfig.peak_flops_per_device=1e11",
+    "--gin.DataConfig.batch_size=8", "--gin.DataConfig.seq_len=32", "--gin.DataConfig.prefetch=0",
+    "--gin.MeshConfig.data=1", "--gin.MeshConfig.fsdp=-1",
+    "--gin.CheckpointConfig.every=2", "--gin.CheckpointConfig.keep=20",
+]
+
+
+def _env(cache_dir):
+  env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu", MIDAS_JAX_CACHE_DIR=str(cache_dir),
+             PYTHONUNBUFFERED="1")
+  env.pop("XLA_FLAGS", None)
+  return env
+
+
+def _check(proc):
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  return proc.stdout
+
+
+def train_two_processes(workdir, cache_dir) -> str:
+  launcher = os.path.join(REPO_ROOT, "launch", "local.py")
+  cmd = [sys.executable, launcher, "--num_processes=2", "--devices_per_process=4", "--",
+         *ARGS, f"--workdir={workdir}"]
+  return _check(subprocess.run(cmd, env=_env(cache_dir), cwd=REPO_ROOT, capture_output=True, text=True,
+                               timeout=300))
+
+
+def train_losses(workdir) -> dict:
+  """step -> loss; a resumed run may log a step twice, and its last line counts."""
+  losses = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      row = json.loads(line)
+      if row.get("split") == "train":
+        losses[row["step"]] = row["loss"]
+  return losses
+
+
+def assert_same_params(a, b):
+  flat_a, flat_b = (dict(zip(map(str, _paths(t)), _leaves(t))) for t in (a, b))
+  assert flat_a.keys() == flat_b.keys()
+  for key in flat_a:
+    np.testing.assert_allclose(flat_a[key], flat_b[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def _paths(tree):
+  return [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_two_processes_match_one_through_growth_and_resume(tmp_path):
+  cache = tmp_path / "xla_cache"
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  assert len(jax.devices()) == 8  # conftest's simulated devices
+  assert cli.main(ARGS + [f"--workdir={one}"]) == 0
+  log = train_two_processes(two, cache)
+  assert "[0] " in log and "[1] " in log  # both processes ran and were followed
+
+  reference = train_losses(one)
+  assert sorted(reference) == list(range(1, NUM_STEPS + 1))
+  pair = train_losses(two)
+  np.testing.assert_allclose([pair[s] for s in sorted(reference)], [reference[s] for s in sorted(reference)],
+                             rtol=1e-5)
+  stages = json.load(open(os.path.join(two, "stages.json")))
+  assert stages["depth"] == 4 and [g["step"] for g in stages["growths"]] == [GROWTH_STEP]
+  final = load_model(one)
+  assert final.step == NUM_STEPS and final.model_config.num_layers == 4
+  assert_same_params(final.params, load_model(two).params)
+
+  # Rewind the pair to its save before the growth and resume: it grows again and ends the same.
+  assert REWIND_TO in available_steps(two)
+  for step in available_steps(two):
+    if step > REWIND_TO:
+      shutil.rmtree(os.path.join(checkpoint_dir(two), str(step)))
+  log = train_two_processes(two, cache)
+  assert f"resuming from the checkpoint of step {REWIND_TO}" in log
+  resumed = load_model(two)
+  assert resumed.step == NUM_STEPS and resumed.stage == 2
+  assert_same_params(final.params, resumed.params)
+  pair = train_losses(two)
+  resumed_steps = range(REWIND_TO + 1, NUM_STEPS + 1)
+  np.testing.assert_allclose([pair[s] for s in resumed_steps], [reference[s] for s in resumed_steps], rtol=1e-5)
