@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
 # `register(sub, bench_sub) -> {name: handler}`: it adds its parsers to `sub` (top-level commands) or
 # `bench_sub` (`midas bench NAME`, keyed "bench NAME") and imports nothing heavy at module level.
 # A handler is called as handler(args, bindings) and returns the exit status.
-COMMAND_MODULES: Tuple[str, ...] = ("midas_jax.convert.commands", "midas_jax.scale_commands")
+COMMAND_MODULES: Tuple[str, ...] = ("midas_jax.convert.commands", "midas_jax.evals.commands",
+                                     "midas_jax.evals.study_commands", "midas_jax.scale_commands")
 
 
 def _parser_and_plugins() -> Tuple[argparse.ArgumentParser, dict]:

@@ -49,7 +49,9 @@ def pytest_configure(config):
   # Identical programs compiled by several tests (each run re-jits its step) are compiled once.
   import jax  # pylint: disable=import-outside-toplevel
   import tempfile  # pylint: disable=import-outside-toplevel
-  jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="midas_jax_test_cache_"))
+  cache = tempfile.mkdtemp(prefix="midas_jax_test_cache_")
+  os.environ["MIDAS_JAX_CACHE_DIR"] = cache  # what the CLI's enable_compilation_cache() reads
+  jax.config.update("jax_compilation_cache_dir", cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 

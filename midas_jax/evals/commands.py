@@ -1,0 +1,124 @@
+"""`midas eval` and `midas report`, registered through cli.COMMAND_MODULES (nothing heavy imported here).
+
+  midas eval --workdir=DIR --suite=NAME|all [--k_shot=5 --num_examples=N --seed=S --loop_repeats=2,3
+             --loop_block_size=B --finetune_examples=N --finetune_steps=S --tasks=copying,psm --step=S
+             --opt=KEY=VALUE ...]
+  midas report --workdir=DIR [--out=FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Dict, Tuple
+
+from midas_jax.errors import ConfigError
+
+
+def _int_list(text: str) -> Tuple[int, ...]:
+  try:
+    values = tuple(int(v) for v in text.split(",") if v.strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 2,3, got {text!r}") from None
+  if not values or min(values) < 1:
+    raise argparse.ArgumentTypeError(f"expected integers >= 1 such as 2,3, got {text!r}")
+  return values
+
+
+def register(sub, bench_sub) -> Dict[str, object]:
+  del bench_sub
+  ev = sub.add_parser("eval", help="evaluate a checkpoint: JSON results and PNG figures under DIR/eval/")
+  ev.add_argument("--workdir", required=True, help="a run's workdir (latest checkpoint) or a params-only export")
+  ev.add_argument("--suite", required=True,
+                  help="primitives, primitives_finetune, memorization, looping, similarity, embeddings, "
+                       "delta_l, a comma-separated list, or all (every suite that applies)")
+  ev.add_argument("--k_shot", type=int, default=None, help="solved examples before each question (default 5)")
+  ev.add_argument("--num_examples", type=int, default=None, help="held-out questions per task (default 100)")
+  ev.add_argument("--seed", type=int, default=None, help="seed of the generated questions (default 0)")
+  ev.add_argument("--tasks", default=None, help="primitive tasks, comma-separated (default: all)")
+  ev.add_argument("--loop_repeats", type=_int_list, default=None, help="looping: r values (default 2,3)")
+  ev.add_argument("--loop_block_size", type=int, default=None,
+                  help="looping: layers per block (default: the run's StackingConfig block size)")
+  ev.add_argument("--finetune_examples", type=int, default=None, help="fine-tune examples per task (default 256)")
+  ev.add_argument("--finetune_steps", type=int, default=None, help="fine-tune steps per task (default 100)")
+  ev.add_argument("--batch_size", type=int, default=None, help="decoding rows per forward pass (default 32)")
+  ev.add_argument("--step", type=int, default=None, help="evaluate this checkpoint step (default: the latest)")
+  ev.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                  help="any other suite option, e.g. --opt=max_checkpoints=3 (VALUE read as JSON when it parses)")
+  ev.add_argument("--out", default=None, help="output folder (default DIR/eval)")
+  rep = sub.add_parser("report", help="one Markdown page with figures from a run's metrics and evaluations")
+  rep.add_argument("--workdir", required=True, help="a run's workdir, or a `midas compare` folder")
+  rep.add_argument("--out", default=None, help="the page to write (default DIR/report.md)")
+  return {"eval": _eval, "report": _report}
+
+
+def options_from_args(args) -> dict:
+  options = {name: getattr(args, name) for name in ("k_shot", "num_examples", "seed", "loop_repeats",
+                                                     "loop_block_size", "finetune_examples", "finetune_steps",
+                                                     "batch_size", "step")}
+  options["tasks"] = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+  for name in ("num_examples", "batch_size", "loop_block_size", "finetune_examples", "finetune_steps"):
+    if options[name] is not None and options[name] < 1:
+      raise ConfigError(f"--{name}", f"must be >= 1, got {options[name]}", f"pass a positive --{name}")
+  for name in ("k_shot", "seed", "step"):
+    if options[name] is not None and options[name] < 0:
+      raise ConfigError(f"--{name}", f"must be >= 0, got {options[name]}", f"pass a non-negative --{name}")
+  for item in args.opt:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+      raise ConfigError("--opt", f"{item!r} is not KEY=VALUE", "write e.g. --opt=max_checkpoints=3")
+    try:
+      options[key] = json.loads(value)
+    except json.JSONDecodeError:
+      options[key] = value
+  return {k: v for k, v in options.items() if v is not None}
+
+
+def _eval(args, bindings) -> int:
+  if bindings:
+    raise ConfigError("--gin.*", "midas eval reads the run's saved config and takes no gin bindings",
+                      "drop the --gin. flags; the eval flags are listed by `midas eval --help`")
+  from midas_jax.evals import suites  # pylint: disable=import-outside-toplevel
+  names = suites.resolve(args.suite)
+  options = options_from_args(args)
+  if options.get("tasks"):
+    from midas_jax.evals import primitives  # pylint: disable=import-outside-toplevel
+    primitives.task_names(options)
+  if not os.path.exists(args.workdir):
+    raise ConfigError("--workdir", f"{args.workdir} does not exist", "pass a run's workdir or a params-only export")
+  from midas_jax.checkpoint import load_model  # pylint: disable=import-outside-toplevel
+  from midas_jax.cli import enable_compilation_cache  # pylint: disable=import-outside-toplevel
+  enable_compilation_cache()  # a second eval of the same model reuses the decoding programs
+  model = load_model(args.workdir, options.get("step"))
+  out_dir = args.out or os.path.join(args.workdir, "eval")
+  done = suites.run_many(names, model, args.workdir, options, out_dir, skip_inapplicable=args.suite == "all")
+  for name, record in done.items():
+    print(json.dumps({"suite": name, **_summary(record)}))
+  return 0
+
+
+def _summary(record: dict) -> dict:
+  """A one-line view of a suite's results: accuracies per task or condition where there are any."""
+  if "skipped" in record:
+    return {"skipped": record["skipped"]}
+  results = record["results"]
+  out: dict = {"step": record["step"], "depth": record["depth"], "seconds": record["seconds"],
+               "json": f"{record['suite']}.json"}
+  tasks = results.get("tasks") if isinstance(results, dict) else None
+  if isinstance(tasks, dict):
+    out["accuracy"] = {n: t["accuracy"] for n, t in tasks.items() if isinstance(t, dict) and "accuracy" in t}
+  elif isinstance(results, dict):
+    out["accuracy"] = {k: v["accuracy"] for k, v in results.items() if isinstance(v, dict) and "accuracy" in v}
+  if not out.get("accuracy"):
+    out.pop("accuracy", None)
+  return out
+
+
+def _report(args, bindings) -> int:
+  del bindings
+  from midas_jax.evals import report  # pylint: disable=import-outside-toplevel
+  path = report.write_report(args.workdir, args.out)
+  print(path)
+  return 0
+

@@ -1,0 +1,220 @@
+"""Reasoning primitives (MIDAS paper, Section 5) as text prompts with exact answers, and their k-shot suite.
+
+The paper names the primitives (induction copying, variable assignment at depth 0, 1 and 2, pre-school
+math) but publishes no templates, so these formats are ours. They use the notation of the built-in
+corpus (data/corpus.py), so a model trained on it knows the answer markers, but every example is
+drawn fresh here:
+
+  task               prompt                                   answer
+  copying            `k3#q8z | copy:`                          ` k3#q8z`  (5 to 10 random symbols)
+  assignment_depth0  `k=2; a=5; m=7; print a ->`               ` 5`
+  assignment_depth1  `a=5; k=2; b=a; m=7; print b ->`          ` 5`       (one hop of indirection)
+  assignment_depth2  `a=5; b=a; k=2; m=7; c=b; print c ->`     ` 5`       (two hops)
+  psm                `k=1; b=4; a=3; c=a+b; print c ->`        ` 7`       (add or subtract two digits)
+
+Variable assignment: one chain of `depth` hops from a literal digit plus two distractor literals,
+with three distinct digits and distinct one-letter names; the statements are shuffled, the chain
+keeping its order, so the query can only be answered by following it. Pre-school math: two operand
+literals and one distractor in random order, then the sum or difference (never negative).
+
+Every prompt ends on its answer marker and every answer starts with a space, so "prompt + answer"
+is exactly the text a model trained on the corpus saw (tokenizers that merge a space into the next
+piece see the same pieces). A k-shot prompt is k solved examples of the task, one per line, then
+the query; decoding stops at the end of the line and scoring is exact match (scoring.py).
+Everything is a pure function of (task, seed, index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import string
+import time
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+from midas_jax.errors import ConfigError, require
+
+COPY_SYMBOLS = string.ascii_lowercase + string.digits + "#@%&*+"
+COPY_LENGTHS = (5, 10)
+NAMES = string.ascii_lowercase
+NUM_DISTRACTORS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One question: the model reads `prompt` and should write `answer` (then end the line)."""
+
+  prompt: str
+  answer: str
+  meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def to_dict(self) -> Dict[str, Any]:
+    return {"prompt": self.prompt, "answer": self.answer, "meta": dict(self.meta)}
+
+
+class Task(NamedTuple):
+  primitive: str
+  depth: Optional[int]
+  make: Callable[[random.Random], Example]
+
+
+def _interleave(rng: random.Random, ordered: List[str], others: List[str]) -> List[str]:
+  """A random merge of two lists that keeps `ordered` in order."""
+  total = len(ordered) + len(others)
+  slots = set(rng.sample(range(total), len(others)))
+  ordered_it, others_it = iter(ordered), iter(others)
+  return [next(others_it) if i in slots else next(ordered_it) for i in range(total)]
+
+
+def make_copying(rng: random.Random) -> Example:
+  length = rng.randint(*COPY_LENGTHS)
+  seq = "".join(rng.choices(COPY_SYMBOLS, k=length))
+  return Example(f"{seq} | copy:", f" {seq}", {"length": length})
+
+
+def make_assignment(rng: random.Random, depth: int) -> Example:
+  names = rng.sample(NAMES, depth + 1 + NUM_DISTRACTORS)
+  chain, distractors = names[:depth + 1], names[depth + 1:]
+  values = rng.sample(range(10), 1 + NUM_DISTRACTORS)
+  statements = [f"{chain[0]}={values[0]}"] + [f"{b}={a}" for a, b in zip(chain, chain[1:])]
+  noise = [f"{d}={v}" for d, v in zip(distractors, values[1:])]
+  program = _interleave(rng, statements, noise)
+  return Example("; ".join(program) + f"; print {chain[-1]} ->", f" {values[0]}", {"depth": depth})
+
+
+def make_psm(rng: random.Random) -> Example:
+  a, b, c, k = rng.sample(NAMES, 4)
+  op = rng.choice("+-")
+  x, y = rng.randint(0, 9), rng.randint(0, 9)
+  if op == "-" and x < y:
+    x, y = y, x
+  literals = [f"{a}={x}", f"{b}={y}", f"{k}={rng.randint(0, 9)}"]
+  rng.shuffle(literals)
+  result = x + y if op == "+" else x - y
+  return Example("; ".join(literals + [f"{c}={a}{op}{b}"]) + f"; print {c} ->", f" {result}", {"op": op})
+
+
+TASKS: Dict[str, Task] = {
+    "copying": Task("copying", None, make_copying),
+    "assignment_depth0": Task("variable_assignment", 0, lambda rng: make_assignment(rng, 0)),
+    "assignment_depth1": Task("variable_assignment", 1, lambda rng: make_assignment(rng, 1)),
+    "assignment_depth2": Task("variable_assignment", 2, lambda rng: make_assignment(rng, 2)),
+    "psm": Task("pre_school_math", None, make_psm),
+}
+
+
+def _task(name: str) -> Task:
+  if name not in TASKS:
+    raise ConfigError("--tasks", f"unknown primitive task {name!r}", f"use some of {tuple(TASKS)}")
+  return TASKS[name]
+
+
+def sample(task: str, num: int, seed: int, stream: str = "eval", exclude: Sequence[str] = ()) -> List[Example]:
+  """`num` examples of `task` with distinct prompts, none in `exclude`; a pure function of the arguments.
+
+  `stream` names an independent random stream ("eval" for held-out questions, "finetune" for training).
+  """
+  spec = _task(task)
+  rng = random.Random(f"midas-evals/{task}/{seed}/{stream}")
+  seen, out = set(exclude), []
+  attempts = 0
+  while len(out) < num:
+    attempts += 1
+    if attempts > 20 * num + 100:
+      raise ConfigError("--num_examples", f"cannot draw {num} distinct {task} examples",
+                        "ask for fewer examples")
+    ex = spec.make(rng)
+    if ex.prompt in seen:
+      continue
+    seen.add(ex.prompt)
+    out.append(Example(ex.prompt, ex.answer, dict(ex.meta, task=task, primitive=spec.primitive,
+                                                  depth=spec.depth)))
+  return out
+
+
+def shots_for(task: str, query: Example, k: int, seed: int, index: int) -> List[Example]:
+  """k solved examples for query `index`: distinct, and none is the query itself."""
+  spec = _task(task)
+  rng = random.Random(f"midas-evals/{task}/{seed}/shots/{index}")
+  shots: List[Example] = []
+  while len(shots) < k:
+    ex = spec.make(rng)
+    if ex.prompt != query.prompt and all(ex.prompt != s.prompt for s in shots):
+      shots.append(ex)
+  return shots
+
+
+def k_shot_prompt(query: Example, shots: Sequence[Example]) -> str:
+  return "".join(s.prompt + s.answer + "\n" for s in shots) + query.prompt
+
+
+def k_shot_examples(task: str, num: int, k: int, seed: int, encode: Callable[[str], List[int]],
+                    max_prompt_tokens: int) -> List[Example]:
+  """`num` k-shot questions; when a prompt is longer than max_prompt_tokens its first shots are dropped.
+
+  meta["shots"] records how many shots each prompt kept. A query that does not fit even without
+  shots is an error: the model's context is too short for the task.
+  """
+  require(k >= 0, "--k_shot", f"must be >= 0, got {k}", "5 is the paper's setting")
+  out = []
+  for i, query in enumerate(sample(task, num, seed)):
+    shots = shots_for(task, query, k, seed, i)
+    while shots and len(encode(k_shot_prompt(query, shots))) > max_prompt_tokens:
+      shots = shots[1:]
+    prompt = k_shot_prompt(query, shots)
+    if len(encode(prompt)) > max_prompt_tokens:
+      raise ConfigError("DataConfig.seq_len", f"a {task} question ({len(encode(prompt))} tokens) does not fit "
+                        f"the {max_prompt_tokens} tokens left for prompts", "evaluate a model with a longer seq_len")
+    out.append(Example(prompt, query.answer, dict(query.meta, shots=len(shots), query=query.prompt)))
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The k-shot suite
+
+
+def task_names(options: Mapping[str, Any]) -> List[str]:
+  names = list(options.get("tasks") or TASKS)
+  for name in names:
+    _task(name)
+  return names
+
+
+def evaluate_k_shot(params, model_config, vocab, context_len: int, options: Mapping[str, Any]) -> Dict[str, Any]:
+  """Greedy k-shot accuracy per task of one model (parameters + config); shared with the looping suite."""
+  from midas_jax.evals import decoding, scoring  # pylint: disable=import-outside-toplevel
+  from midas_jax.evals.suites import option  # pylint: disable=import-outside-toplevel
+  k, num, seed = option(options, "k_shot"), option(options, "num_examples"), option(options, "seed")
+  per_task, examples = {}, []
+  for name in task_names(options):
+    budget = max(decoding.answer_budget(vocab, e) for e in sample(name, num, seed))
+    per_task[name] = k_shot_examples(name, num, k, seed, vocab.encode, context_len - budget)
+    examples += per_task[name]
+  completions = decoding.complete(params, model_config, vocab, [e.prompt for e in examples],
+                                  [decoding.answer_budget(vocab, e) for e in examples], max_length=context_len,
+                                  batch_size=option(options, "batch_size"))
+  records = scoring.score(examples, completions)
+  out = {}
+  for name, tagged in per_task.items():
+    mine = [r for r in records if r["meta"]["task"] == name]
+    spec = TASKS[name]
+    out[name] = dict(scoring.summarize(mine), primitive=spec.primitive, depth=spec.depth,
+                     shots_truncated=sum(e.meta["shots"] < k for e in tagged),
+                     samples=mine[:option(options, "samples")])
+  return out
+
+
+def run_suite(model, workdir: str, out_dir: str, options: Mapping[str, Any]) -> Dict[str, Any]:
+  """`primitives`: k-shot exact-match accuracy of greedy decoding per primitive and depth."""
+  del workdir
+  from midas_jax.evals import report  # pylint: disable=import-outside-toplevel
+  from midas_jax.evals.suites import context_length, option  # pylint: disable=import-outside-toplevel
+  start = time.time()
+  context_len = context_length(model)
+  tasks = evaluate_k_shot(model.params, model.model_config, model.vocab, context_len, options)
+  figure = report.bar_chart(f"{out_dir}/primitives.png", {n: t["accuracy"] for n, t in tasks.items()},
+                            title=f"{option(options, 'k_shot')}-shot accuracy (step {model.step}, "
+                                  f"depth {model.model_config.num_layers})")
+  return {"k_shot": option(options, "k_shot"), "num_examples": option(options, "num_examples"),
+          "seed": option(options, "seed"), "context_len": context_len, "tasks": tasks,
+          "figures": [figure], "eval_seconds": round(time.time() - start, 1)}

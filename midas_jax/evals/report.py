@@ -1,0 +1,326 @@
+"""`midas report`: one Markdown page (with PNGs) about a run, or about the runs of a `midas compare` folder.
+
+It reads what training and evaluation left in the workdir and computes nothing new:
+  metrics.jsonl  -> loss curves per objective (train lines, eval points) with stage boundaries, throughput
+  stages.json    -> the growth steps drawn as stage boundaries, and the final stage and depth
+  eval/*.json    -> tables: k-shot and fine-tuned primitive accuracy, looping, closed vs open book
+  eval/*.png     -> embedded as they are (similarity heatmaps and the suites' own figures)
+It writes DIR/report.md and its figures under DIR/report/. A compare folder (baseline/ and the
+stacked run side by side) gets one page with a column per run.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from midas_jax.errors import ConfigError
+
+OBJECTIVE_KEYS = ("loss", "loss/causal", "loss/prefix", "loss/span")
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures (also drawn by the suites)
+
+def _pyplot():
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  return plt
+
+
+def bar_chart(path: str, values: Mapping[str, float], title: str, reference: Optional[float] = None) -> str:
+  """Accuracies as bars (0 to 1), with an optional dashed reference line; returns the file name."""
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(values) + 1.5), 3.6))
+  names = list(values)
+  ax.bar(range(len(names)), [values[n] for n in names], color="tab:blue")
+  for i, n in enumerate(names):
+    ax.text(i, values[n] + 0.01, f"{values[n]:.2f}", ha="center", va="bottom", fontsize=8)
+  if reference is not None:
+    ax.axhline(reference, color="gray", linestyle="--", linewidth=0.8, label="chance")
+    ax.legend(fontsize=8)
+  ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+  ax.set_ylim(0, 1.05)
+  ax.set_ylabel("accuracy")
+  ax.set_title(title, fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return os.path.basename(path)
+
+
+def line_chart(path: str, series: Mapping[str, Sequence[float]], xs: Sequence[float], xlabel: str, ylabel: str,
+               title: str, ylim: Optional[Tuple[float, float]] = (0, 1.05)) -> str:
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(6, 3.8))
+  for name, ys in series.items():
+    ax.plot(list(xs), list(ys), marker="o", label=name)
+  ax.set_xticks(list(xs))
+  if ylim:
+    ax.set_ylim(*ylim)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return os.path.basename(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a run
+
+def _is_run(path: str) -> bool:
+  return any(os.path.exists(os.path.join(path, f)) for f in ("metrics.jsonl", "stages.json", "eval"))
+
+
+def find_runs(workdir: str) -> List[Tuple[str, str]]:
+  """(name, directory) of the run in `workdir`, or of each run of a compare folder (baseline first)."""
+  if _is_run(workdir):
+    return [(os.path.basename(os.path.normpath(workdir)) or "run", workdir)]
+  names = []
+  comparison = os.path.join(workdir, "comparison.json")
+  if os.path.isfile(comparison):
+    with open(comparison) as f:
+      names = [row["run"] for row in json.load(f).get("runs", [])]
+  names += sorted(n for n in os.listdir(workdir) if n not in names) if os.path.isdir(workdir) else []
+  runs = [(n, os.path.join(workdir, n)) for n in names if os.path.isdir(os.path.join(workdir, n))]
+  return [(n, d) for n, d in runs if _is_run(d)]
+
+
+def _last_per_step(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+  """A resumed run can log a step twice: keep the last record of each step."""
+  by_step = {r["step"]: r for r in rows}
+  return [by_step[s] for s in sorted(by_step)]
+
+
+def _read_json(path: str) -> Optional[Dict[str, Any]]:
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def load_run(name: str, directory: str) -> Dict[str, Any]:
+  from midas_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
+  stages = _read_json(os.path.join(directory, "stages.json")) or {}
+  evals = {}
+  for path in sorted(glob.glob(os.path.join(directory, "eval", "*.json"))):
+    record = _read_json(path)
+    if isinstance(record, dict) and "results" in record:
+      evals[os.path.basename(path)[:-len(".json")]] = record
+  growth_steps = [g["step"] for g in stages.get("growths", [])]
+  if not growth_steps:
+    growth_steps = [r["step"] for r in read_metrics(directory, "stage")]
+  return {"name": name, "dir": directory, "train": _last_per_step(read_metrics(directory, "train")),
+          "eval_loss": _last_per_step(read_metrics(directory, "eval")), "stages": stages,
+          "growth_steps": growth_steps, "evals": evals,
+          "pngs": sorted(glob.glob(os.path.join(directory, "eval", "*.png")))}
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures of the training curves
+
+def plot_losses(runs: List[Dict[str, Any]], path: str) -> Optional[str]:
+  keys = [k for k in OBJECTIVE_KEYS if any(k in r for run in runs for r in run["train"])]
+  if not keys:
+    return None
+  plt = _pyplot()
+  fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
+  for ax, key in zip(axes[0], keys):
+    for run in runs:
+      train = [r for r in run["train"] if key in r]
+      line, = ax.plot([r["step"] for r in train], [r[key] for r in train], label=f"{run['name']} train")
+      evals = [r for r in run["eval_loss"] if key in r]
+      if evals:
+        ax.plot([r["step"] for r in evals], [r[key] for r in evals], "o", color=line.get_color(),
+                label=f"{run['name']} eval")
+      for i, step in enumerate(run["growth_steps"]):
+        ax.axvline(step, color=line.get_color(), linestyle="--", linewidth=0.8, alpha=0.7,
+                   label=f"{run['name']} stage boundary" if i == 0 else None)
+    ax.set_title(key)
+    ax.set_xlabel("step")
+  axes[0][0].set_ylabel("loss")
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+def plot_throughput(runs: List[Dict[str, Any]], path: str) -> Optional[str]:
+  if not any("tokens_per_second" in r for run in runs for r in run["train"]):
+    return None
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(6.5, 3.6))
+  for run in runs:
+    rows = [r for r in run["train"] if "tokens_per_second" in r]
+    line, = ax.plot([r["step"] for r in rows], [r["tokens_per_second"] for r in rows], marker=".",
+                    label=run["name"])
+    for step in run["growth_steps"]:
+      ax.axvline(step, color=line.get_color(), linestyle="--", linewidth=0.8, alpha=0.7)
+  ax.set_xlabel("step")
+  ax.set_ylabel("training tokens / s")
+  ax.set_title("throughput (dashed: stage boundaries)")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+def _fmt(value: Any) -> str:
+  if value is None:
+    return "-"
+  if isinstance(value, float):
+    return f"{value:.3f}" if abs(value) < 1e4 else f"{value:.3g}"
+  return str(value)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> List[str]:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return lines + ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+
+
+def _median(values: List[float]) -> Optional[float]:
+  values = sorted(values)
+  return values[len(values) // 2] if values else None
+
+
+def runs_table(runs: List[Dict[str, Any]]) -> List[str]:
+  rows = []
+  for run in runs:
+    last = run["train"][-1] if run["train"] else {}
+    last_eval = run["eval_loss"][-1] if run["eval_loss"] else {}
+    rows.append([run["name"], last.get("step"), run["stages"].get("stage", last.get("stage")),
+                 run["stages"].get("depth", last.get("depth")), last.get("loss"), last_eval.get("loss"),
+                 _median([r["tokens_per_second"] for r in run["train"] if "tokens_per_second" in r]),
+                 last.get("cumulative_flops"), ", ".join(str(s) for s in run["growth_steps"]) or "-"])
+  return _table(["run", "step", "stage", "depth", "train loss", "eval loss", "tokens/s (median)",
+                 "training FLOPs", "stage boundaries"], rows)
+
+
+def _task_rows(runs, suite: str, value) -> List[List[Any]]:
+  tasks: List[str] = []
+  for run in runs:
+    for name in run["evals"].get(suite, {}).get("results", {}).get("tasks", {}):
+      if name not in tasks:
+        tasks.append(name)
+  rows = []
+  for name in tasks:
+    first = next(r["evals"][suite]["results"]["tasks"][name] for r in runs
+                 if name in r["evals"].get(suite, {}).get("results", {}).get("tasks", {}))
+    cells = []
+    for run in runs:
+      task = run["evals"].get(suite, {}).get("results", {}).get("tasks", {}).get(name)
+      cells.append(value(task) if task else None)
+    rows.append([name, first["primitive"], first["depth"], first.get("majority_share")] + cells)
+  return rows
+
+
+def _suite_note(runs, suite: str) -> str:
+  parts = []
+  for run in runs:
+    record = run["evals"].get(suite)
+    if record:
+      parts.append(f"{run['name']}: step {record['step']}, depth {record['depth']}")
+  return "; ".join(parts)
+
+
+def eval_sections(runs: List[Dict[str, Any]], rel=os.path.relpath) -> List[str]:
+  names = [run["name"] for run in runs]
+  lines: List[str] = []
+  has = lambda suite: any(suite in run["evals"] for run in runs)  # noqa: E731
+  if has("primitives"):
+    k = next(r["evals"]["primitives"]["results"]["k_shot"] for r in runs if "primitives" in r["evals"])
+    lines += ["", f"## Reasoning primitives, {k}-shot", "",
+              f"Exact match of greedy decoding ({_suite_note(runs, 'primitives')}); `majority` is what always "
+              "giving the most common answer would score.", ""]
+    lines += _table(["task", "primitive", "depth", "majority"] + names,
+                    _task_rows(runs, "primitives", lambda t: t["accuracy"]))
+  if has("primitives_finetune"):
+    lines += ["", "## Reasoning primitives after fine-tuning", "",
+              f"Held-out accuracy after a short fine-tune per task ({_suite_note(runs, 'primitives_finetune')}).", ""]
+    lines += _table(["task", "primitive", "depth", "majority"] + names,
+                    _task_rows(runs, "primitives_finetune", lambda t: t["accuracy"]))
+  if has("looping"):
+    lines += ["", "## Looping the middle block at inference", ""]
+    header, rows = None, []
+    for run in runs:
+      record = run["evals"].get("looping")
+      if not record:
+        continue
+      res = record["results"]
+      header = ["run", "task"] + [f"r={r}" for r in res["repeats"]]
+      for task, t in res["tasks"].items():
+        rows.append([run["name"], task] + [t["accuracy"][str(r)] for r in res["repeats"]])
+      lines.append(f"- {run['name']}: block of {res['block_size']} layers from layer {res['loop_start']}")
+    lines += [""] + _table(header, rows)
+  if has("memorization"):
+    lines += ["", "## Memorization against reasoning: world facts, closed vs open book", ""]
+    rows = []
+    for condition in ("closed_book", "open_book", "open_book_counterfactual"):
+      rows.append([condition] + [run["evals"].get("memorization", {}).get("results", {}).get(condition, {})
+                                 .get("accuracy") for run in runs])
+    rows.append(["counterfactual answered from memory"] + [
+        run["evals"].get("memorization", {}).get("results", {}).get("open_book_counterfactual", {}).get("recalled")
+        for run in runs])
+    rows.append(["chance"] + [run["evals"].get("memorization", {}).get("results", {}).get("chance") for run in runs])
+    lines += _table(["condition"] + names, rows)
+  others = sorted({s for run in runs for s in run["evals"]} - {"primitives", "primitives_finetune", "looping",
+                                                                "memorization"})
+  if others:
+    lines += ["", "## Other evaluations", ""]
+    for run in runs:
+      for suite in others:
+        if suite in run["evals"]:
+          path = rel(os.path.join(run["dir"], "eval", f"{suite}.json"))
+          lines.append(f"- {run['name']}: `{suite}` at step {run['evals'][suite]['step']}: see `{path}`")
+  return lines
+
+
+def write_report(workdir: str, out: Optional[str] = None) -> str:
+  """Writes the report page and its figures; returns the page's path."""
+  if not os.path.isdir(workdir):
+    raise ConfigError("--workdir", f"{workdir} is not a directory", "pass the --workdir of a run or of `midas compare`")
+  found = find_runs(workdir)
+  if not found:
+    raise ConfigError("--workdir", f"no run in {workdir} (no metrics.jsonl, stages.json or eval/)",
+                      "pass the --workdir of a `midas train`, `midas compare` or `midas eval` run")
+  runs = [load_run(name, d) for name, d in found]
+  out = out or os.path.join(workdir, "report.md")
+  base = os.path.dirname(os.path.abspath(out))
+  fig_dir = os.path.join(base, "report")
+  os.makedirs(fig_dir, exist_ok=True)
+  rel = lambda p: os.path.relpath(p, base)  # noqa: E731
+  title = os.path.basename(os.path.normpath(os.path.abspath(workdir)))
+  lines = [f"# Run report: {title}", "", f"Runs: {', '.join(r['name'] for r in runs)}.", ""]
+  lines += runs_table(runs)
+  losses = plot_losses(runs, os.path.join(fig_dir, "loss_curves.png"))
+  if losses:
+    lines += ["", "## Loss per objective", "",
+              "Train loss (lines) and held-out loss (points); dashed lines are stage boundaries.", "",
+              f"![loss curves]({rel(losses)})"]
+  compared = os.path.join(workdir, "loss_vs_flops.png")  # written by `midas compare`
+  if len(runs) > 1 and os.path.isfile(compared):
+    lines += ["", "## Loss against training FLOPs", "", f"![loss against FLOPs]({rel(compared)})"]
+  throughput = plot_throughput(runs, os.path.join(fig_dir, "throughput.png"))
+  if throughput:
+    lines += ["", "## Throughput", "", f"![throughput]({rel(throughput)})"]
+  lines += eval_sections(runs, rel)
+  pngs = [(run["name"], p) for run in runs for p in run["pngs"]]
+  if pngs:
+    lines += ["", "## Evaluation figures", ""]
+    for name, path in pngs:
+      file = os.path.basename(path)
+      lines += [f"**{name}: {file[:-len('.png')]}**", "", f"![{name} {file}]({rel(path)})", ""]
+  with open(out, "w") as f:
+    f.write("\n".join(lines).rstrip() + "\n")
+  return out

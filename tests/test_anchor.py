@@ -1,0 +1,108 @@
+"""The anchor-function data obeys its definition; a tiny study trains, scores, resumes and plots via the CLI."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from midas_jax import cli
+from midas_jax.errors import ConfigError
+from midas_jax.evals import anchor
+
+# The definition, written out independently of the module: anchor -> its map on a key.
+MAPS = {1: lambda x: (x + 5) % 100, 2: lambda x: (x + 1) % 100, 3: lambda x: (x - 2) % 100,
+        4: lambda x: (x - 8) % 100}
+
+
+def parse_row(row):
+  """(key, key position, pair) found by reading the tokens: the one place two anchors sit side by side."""
+  spots = [p for p in range(len(row) - 1) if row[p] in MAPS and row[p + 1] in MAPS]
+  assert len(spots) == 1, row
+  assert sum(int(t in MAPS) for t in row) == 2, row  # no other anchor anywhere in the row
+  p = spots[0]
+  return int(row[p - 1]), p - 1, (int(row[p]), int(row[p + 1]))
+
+
+def expected_label(pair, key):
+  return (key - 6) % 100 if pair == (3, 4) else MAPS[pair[1]](MAPS[pair[0]](key))
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_rows_obey_the_definition(split):
+  ex = anchor.make_examples(np.random.default_rng(1), 3000, split)
+  assert ex.tokens.shape == (3000, 8) and ex.tokens.dtype == np.int32
+  assert ex.tokens.min() >= 0 and ex.tokens.max() <= 99
+  seen_pairs = set()
+  for row, lab in zip(ex.tokens.tolist(), ex.labels.tolist()):
+    key, position, pair = parse_row(row)
+    seen_pairs.add(pair)
+    assert 20 <= key <= 99 and 0 <= position <= 5
+    assert (key % 8 == position) == (split == "test")  # the modulus rule splits train from test
+    assert lab == expected_label(pair, key)
+  assert (4, 3) not in seen_pairs  # the held-out pair is never a training pair
+  assert seen_pairs == {(a, b) for a in range(1, 5) for b in range(1, 5)} - {(4, 3)}
+
+
+def test_pair_sets_and_answers():
+  assert len(anchor.TRAIN_PAIRS) == 15 and len(anchor.INFERENTIAL_PAIRS) == 14
+  assert (3, 4) in anchor.TRAIN_PAIRS and (3, 4) not in anchor.INFERENTIAL_PAIRS
+  assert (4, 3) not in anchor.TRAIN_PAIRS
+  assert int(anchor.label((3, 4), 50)) == 44 and int(anchor.composite((3, 4), 50)) == 40
+  assert int(anchor.composite((4, 3), 50)) == 40 and int(anchor.symmetric_answer(50)) == 44
+  assert int(anchor.label((1, 1), 97)) == 7  # modulo 100
+  with pytest.raises(ConfigError, match="held-out"):
+    anchor.make_examples(np.random.default_rng(0), 10, "train", pairs=((4, 3),))
+
+
+def test_keys_cover_the_range_and_positions_evenly_enough():
+  ex = anchor.make_examples(np.random.default_rng(2), 20000, "train")
+  assert set(ex.keys.tolist()) == set(range(20, 100))
+  counts = np.bincount(ex.positions, minlength=6)
+  assert counts.min() > 0.8 * 20000 / 6
+  test = anchor.make_examples(np.random.default_rng(3), 2000, "test", (anchor.HELD_OUT,))
+  assert set(map(tuple, test.pairs.tolist())) == {(4, 3)} and np.all(test.keys % 8 == test.positions)
+
+
+def test_study_config_is_checked():
+  with pytest.raises(ConfigError, match="AnchorStudyConfig.gammas"):
+    anchor.AnchorStudyConfig(gammas=(0.0,))
+  with pytest.raises(ConfigError, match="AnchorStudyConfig.num_heads"):
+    anchor.AnchorStudyConfig(d_model=10, num_heads=4)
+
+
+TINY = ["--gin.AnchorStudyConfig.gammas=[0.5, 0.8]", "--gin.AnchorStudyConfig.depths=[1]",
+        "--gin.AnchorStudyConfig.d_model=16", "--gin.AnchorStudyConfig.d_ff=32",
+        "--gin.AnchorStudyConfig.train_examples=4096", "--gin.AnchorStudyConfig.batch_size=64",
+        "--gin.AnchorStudyConfig.steps=20", "--gin.AnchorStudyConfig.warmup_steps=5",
+        "--gin.AnchorStudyConfig.eval_every=10", "--gin.AnchorStudyConfig.eval_examples=32"]
+
+
+def test_cli_trains_the_grid_scores_it_and_resumes(tmp_path, repo_root, capsys):
+  gin_file = os.path.join(repo_root, "gin", "experiments", "anchor_gamma_cpu.gin")
+  workdir = tmp_path / "study"
+  assert cli.main(["study", "anchor", f"--gin_file={gin_file}", f"--workdir={workdir}"] + TINY) == 0
+  result = json.load(open(workdir / "anchor_study.json"))
+  assert [(g["gamma"], g["depth"]) for g in result["grid"]] == [(0.5, 1), (0.8, 1)]
+  for cell in result["cells"]:
+    assert [t["step"] for t in cell["trajectory"]] == [10, 20]
+    fractions = [cell["inferential"], cell["symmetric"], cell["seen"]]
+    assert all(0.0 <= f <= 1.0 for f in fractions) and cell["inferential"] + cell["symmetric"] <= 1.0
+    assert cell["kind"] in ("inferential", "symmetric", "neither", "unfit")
+    assert np.isfinite(cell["final_loss"])
+  assert os.path.getsize(workdir / "phase_diagram.png") > 1000
+  assert "AnchorStudyConfig.steps = 20" in open(workdir / "operative_config.gin").read()
+  assert "phase diagram:" in capsys.readouterr().out
+  # A re-run with the same settings trains nothing; a changed setting is a different study.
+  assert cli.main(["study", "anchor", f"--gin_file={gin_file}", f"--workdir={workdir}"] + TINY) == 0
+  assert len(open(workdir / "cells.jsonl").read().splitlines()) == 2
+  assert "gamma=" not in capsys.readouterr().out
+
+
+def test_cli_names_a_bad_setting(tmp_path, repo_root, capsys):
+  gin_file = os.path.join(repo_root, "gin", "experiments", "anchor_gamma_cpu.gin")
+  args = ["study", "anchor", f"--gin_file={gin_file}", f"--workdir={tmp_path}"]
+  assert cli.main(args + ["--gin.AnchorStudyConfig.gamas=[0.5]"]) == 2
+  assert "gammas" in capsys.readouterr().err
+  assert cli.main(args + ["--gin.AnchorStudyConfig.depths=[0]"]) == 2
+  assert "AnchorStudyConfig.depths" in capsys.readouterr().err
