@@ -8,7 +8,7 @@ WORKDIR ?= runs/midas_cpu
 $(VENV)/.installed: setup.py requirements/t5-reference.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[data,test]" -r requirements/t5-reference.txt
+	$(PY) -m pip install -q -e ".[data,convert,notebooks,test]" -r requirements/t5-reference.txt
 	$(PY) -m pip install -q --no-deps t5==0.9.4
 	touch $@
 
