@@ -209,3 +209,13 @@ def test_init_from_an_export_starts_a_new_run_from_its_parameters(reference, tmp
                                 checkpoint=configs.CheckpointConfig(init_from=out))
   with pytest.raises(ConfigError, match="CheckpointConfig.init_from"):
     loop.train(shallow, str(tmp_path / "bad"))
+
+
+def test_bench_checkpoint_measures_size_and_stall(tmp_path, capsys):
+  from midas_jax.bench import checkpoint_bench  # pylint: disable=import-outside-toplevel
+  config = stacked_run(stacking=configs.StackingConfig())
+  report = checkpoint_bench.run(config, str(tmp_path), window=2, repeats=1)
+  assert report["checkpoint_bytes"] > 3 * 4 * report["params"]  # f32 params and two Adam moments
+  assert report["step_seconds"] > 0 and np.isfinite(report["async_stall_steps"])
+  assert 0 < report["async_blocking_seconds"] < report["sync_save_seconds"] + 1.0
+  assert "async stall" in checkpoint_bench.format_report(report)

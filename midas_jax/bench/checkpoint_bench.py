@@ -5,7 +5,7 @@ Trains the config's model at full depth and times, in the same run:
   - an async save: how long `save` blocks the loop (the device-to-host copy), and the stall, the
     extra wall time of the `window` steps that follow a save compared with the same steps without
     one (the background write competing with training), in units of one step;
-  - the time until the async save is committed, a synchronous save, and the checkpoint's bytes on disk.
+  - a synchronous save (the whole write) and the checkpoint's bytes on disk.
 Target (issue #5): an async save stalls training by less than one step.
 """
 
@@ -42,11 +42,13 @@ def run(config: RunConfig, workdir: str, window: int = 3, repeats: int = 3) -> D
   batches = [experiment.device_batch(s) for s in range(window)]
   state = experiment.init_state()
   shutil.rmtree(workdir, ignore_errors=True)
-  blocking, stalls, commits, plain = [], [], [], []
+  blocking, stalls, plain = [], [], []
   with experiment.context():
     step_fn = experiment.jit_train_step()
     state, _ = _timed_steps(step_fn, state, batches[:2])  # compile and warm up
     ckpt = OrbaxCheckpointer(os.path.join(workdir, "async"), CheckpointConfig(every=0, keep=2, async_save=True))
+    ckpt.save(state, 0, force=True)  # untimed: the first save sets up orbax and compiles the finiteness check
+    ckpt.wait()
     for i in range(repeats):
       state, base = _timed_steps(step_fn, state, batches)
       plain.append(base / window)
@@ -57,7 +59,6 @@ def run(config: RunConfig, workdir: str, window: int = 3, repeats: int = 3) -> D
       blocking.append(saved_at - start)
       stalls.append((saved_at - start) + after - base)
       ckpt.wait()
-      commits.append(time.perf_counter() - start)
     ckpt.close()
     sync = OrbaxCheckpointer(os.path.join(workdir, "sync"), CheckpointConfig(every=0, keep=1, async_save=False))
     start = time.perf_counter()
@@ -72,7 +73,6 @@ def run(config: RunConfig, workdir: str, window: int = 3, repeats: int = 3) -> D
       "async_blocking_seconds": statistics.median(blocking),
       "async_stall_seconds": stall,
       "async_stall_steps": stall / step_seconds,
-      "async_commit_seconds": statistics.median(commits),
       "sync_save_seconds": sync_seconds,
       "checkpoint_bytes": size,
       "params": sum(x.size for x in jax.tree.leaves(state.params)),
@@ -84,7 +84,6 @@ def format_report(r: Dict[str, object]) -> str:
       f"train step            {r['step_seconds']:.3f} s (median, no save in flight)",
       f"checkpoint size       {r['checkpoint_bytes'] / 2**20:.1f} MiB ({r['params'] / 1e6:.1f}M params + optimizer state)",
       f"sync save             {r['sync_save_seconds']:.2f} s",
-      f"async save            blocks the loop {r['async_blocking_seconds']:.3f} s, committed after "
-      f"{r['async_commit_seconds']:.2f} s",
+      f"async save            blocks the loop {r['async_blocking_seconds']:.3f} s, then writes while training goes on",
       f"async stall           {r['async_stall_seconds']:.3f} s = {r['async_stall_steps']:.2f} steps (target < 1)",
   ])
