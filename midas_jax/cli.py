@@ -3,6 +3,10 @@
   midas train --gin_file=F [--gin_file=F2 ...] [--gin.KEY=VALUE ...] --workdir=DIR
   midas compare --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas inspect --workdir=DIR
+  midas eval --workdir=DIR --suite=NAME|a,b|all [...]     midas report --workdir=DIR
+  midas export --workdir=DIR --format=hf|torch|npz|params --out=OUT    midas import --hf=DIR --workdir=OUT
+  midas study anchor --gin_file=F --workdir=DIR
+  midas bench compile --gin_file=F [--topology=v5p-128|gpu-8]
   midas bench stacking --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench train --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]
   midas bench checkpoint --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR

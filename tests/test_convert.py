@@ -22,8 +22,8 @@ from midas_jax.errors import ConfigError
 from midas_jax.model import Decoder, dummy_batch
 from midas_jax.train import loop
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="install the convert extra: pip install -e .[convert]")
+transformers = pytest.importorskip("transformers", reason="install the convert extra: pip install -e .[convert]")
 
 PROMPT, NEW_TOKENS = 6, 16
 BYTE_DATA = configs.DataConfig(seq_len=32, batch_size=4, extra_ids=21)  # 280 ids
