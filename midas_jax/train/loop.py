@@ -98,7 +98,7 @@ def prepare_workdir(workdir: str) -> str:
   workdir = os.path.abspath(os.path.expanduser(workdir))
   try:
     os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, ".write_test")
+    probe = os.path.join(workdir, f".write_test.{os.getpid()}")  # per process: hosts may share a workdir
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)
