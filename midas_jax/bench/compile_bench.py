@@ -29,10 +29,9 @@ from jax.sharding import AbstractMesh, NamedSharding
 from midas_jax import flops, sharding
 from midas_jax.configs import ModelConfig, RunConfig
 from midas_jax.errors import ConfigError, require
-from midas_jax.model import Decoder, dummy_batch
-from midas_jax.train import optimizer as optimizer_lib
-from midas_jax.train.experiment import Experiment, learning_rate
-from midas_jax.train.state import StateLayout, state_layout
+from midas_jax.model import dummy_batch
+from midas_jax.train.experiment import Experiment, model_and_layout
+from midas_jax.train.state import StateLayout
 
 GIB = 1024 ** 3
 # Per-device memory (bytes) of the accelerators the mesh files in gin/meshes/ target.
@@ -113,13 +112,7 @@ def _parts(config: RunConfig, mesh, num_layers: Optional[int] = None):
   model_config = dataclasses.replace(config.model, vocab_size=vocab_size_of(config))
   if num_layers is not None:
     model_config = dataclasses.replace(model_config, num_layers=num_layers)
-  sharding.check_divisibility(model_config, mesh, config.data.batch_size)
-  model = Decoder(model_config)
-  schedule = learning_rate(config)
-  tx = optimizer_lib.make_optimizer(config.optimizer, config.trainer.num_steps, schedule)
-  rules = config.mesh.rules_as_tuples()
-  layout = state_layout(model, tx, mesh, rules, config.data.seq_len)
-  return model_config, model, tx, schedule, rules, layout
+  return (model_config,) + model_and_layout(config, mesh, model_config)
 
 
 def _leaf_bytes(abstract, shardings) -> int:

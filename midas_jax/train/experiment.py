@@ -104,6 +104,16 @@ def learning_rate(config: RunConfig) -> optax.Schedule:
                                    stacking.resolved_rewarm_steps(config.optimizer.warmup_steps))
 
 
+def model_and_layout(config: RunConfig, mesh: Mesh, model_config: ModelConfig) -> tuple:
+  """(model, optimizer, lr schedule, axis rules, state layout) on `mesh`, checked and allocating nothing."""
+  sharding.check_divisibility(model_config, mesh, config.data.batch_size)
+  model = Decoder(model_config)
+  schedule = learning_rate(config)
+  tx = optimizer_lib.make_optimizer(config.optimizer, config.trainer.num_steps, schedule)
+  rules = config.mesh.rules_as_tuples()
+  return model, tx, schedule, rules, state_layout(model, tx, mesh, rules, config.data.seq_len)
+
+
 def build_experiment(config: RunConfig, devices=None, data: Optional[Tuple[Any, Pipeline]] = None,
                      num_layers: Optional[int] = None) -> Experiment:
   """Reads the data, checks every shape against the mesh, and lays out the state, compiling nothing.
@@ -116,11 +126,6 @@ def build_experiment(config: RunConfig, devices=None, data: Optional[Tuple[Any, 
   model_config = config.model.with_vocab(vocab.vocab_size)
   if num_layers is not None:
     model_config = dataclasses.replace(model_config, num_layers=num_layers)
-  sharding.check_divisibility(model_config, mesh, config.data.batch_size)
-  model = Decoder(model_config)
-  schedule = learning_rate(config)
-  tx = optimizer_lib.make_optimizer(config.optimizer, config.trainer.num_steps, schedule)
-  rules = config.mesh.rules_as_tuples()
-  layout = state_layout(model, tx, mesh, rules, config.data.seq_len)
+  model, tx, schedule, rules, layout = model_and_layout(config, mesh, model_config)
   return Experiment(config=config, model_config=model_config, vocab=vocab, pipeline=pipeline, mesh=mesh,
                     rules=rules, model=model, tx=tx, schedule=schedule, layout=layout)
