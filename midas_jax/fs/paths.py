@@ -1,0 +1,232 @@
+"""Every file the project reads or writes goes through these functions (docs/architecture.md#paths-are-urls).
+
+A path is either a local path (returned and handled as a plain path) or a URL whose scheme
+etils.epath understands: `gs://bucket/dir` for Google Cloud Storage (and `s3://`, `az://`, `hf://`
+where their packages are installed). orbax already writes through etils.epath, so a workdir URL is
+handed to it as it is and its commit protocol, not renames through a fuse mount, makes a save
+atomic. Anything else with `://` is refused by `check`, naming the setting that gave it, before a
+run creates anything.
+
+The helpers take `str` or path-like arguments and return plain strings where a caller composes
+paths, so code reads the same for both kinds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import posixpath
+import re
+import shutil
+import tempfile
+from typing import IO, Any, Iterator, List, Union
+
+from etils import epath
+
+from midas_jax.errors import ConfigError
+
+PathLike = Union[str, os.PathLike]
+SCHEMES = ("gs", "s3", "az", "hf")  # what etils.epath, and so orbax, reads and writes
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_WILDCARDS = re.compile(r"[*?\[]")
+
+
+def scheme(path: PathLike) -> str:
+  """'gs' for gs://..., '' for a local path."""
+  match = _URL.match(os.fspath(path))
+  return match.group(1).lower() if match else ""
+
+
+def is_remote(path: PathLike) -> bool:
+  return bool(scheme(path))
+
+
+def check(path: PathLike, setting: str) -> str:
+  """The path as a string, local paths with `~` expanded; an unknown scheme is a ConfigError."""
+  text = os.fspath(path)
+  found = scheme(text)
+  if found and found not in SCHEMES:
+    raise ConfigError(setting, f"{text!r} has the scheme {found}://, which this project cannot read or write",
+                      f"use a local path or one of {', '.join(s + '://' for s in SCHEMES)}")
+  if not text:
+    raise ConfigError(setting, "the path is empty", "give a local path or a gs:// URL")
+  return text if found else os.path.expanduser(text)
+
+
+def absolute(path: PathLike, setting: str = "path") -> str:
+  """A checked path; local ones made absolute (URLs are absolute already)."""
+  text = check(path, setting)
+  return text if is_remote(text) else os.path.abspath(text)
+
+
+def as_epath(path: PathLike) -> epath.Path:
+  return epath.Path(check(path, "path"))
+
+
+def join(path: PathLike, *parts: str) -> str:
+  text = os.fspath(path)
+  if is_remote(text):
+    return posixpath.join(text, *parts)
+  return os.path.join(text, *parts)
+
+
+def exists(path: PathLike) -> bool:
+  return as_epath(path).exists()
+
+
+def isdir(path: PathLike) -> bool:
+  return as_epath(path).is_dir()
+
+
+def isfile(path: PathLike) -> bool:
+  return as_epath(path).is_file()
+
+
+def makedirs(path: PathLike) -> None:
+  as_epath(path).mkdir(parents=True, exist_ok=True)
+
+
+def listdir(path: PathLike) -> List[str]:
+  """Names (not paths) of a directory's entries, sorted."""
+  return sorted(p.name for p in as_epath(path).iterdir())
+
+
+def glob(pattern: PathLike) -> List[str]:
+  """Files and directories matching `pattern` (`*`, `?`, `[..]`; `**` recurses), sorted."""
+  text = check(pattern, "pattern")
+  if not _WILDCARDS.search(text):
+    return [text] if exists(text) else []
+  if not is_remote(text):
+    import glob as glob_lib  # pylint: disable=import-outside-toplevel
+    return sorted(glob_lib.glob(text, recursive=True))
+  parts = text.split("/")
+  first = next(i for i, part in enumerate(parts) if _WILDCARDS.search(part))
+  root, rest = epath.Path("/".join(parts[:first])), "/".join(parts[first:])
+  if not root.exists():
+    return []
+  found = root.rglob(rest.replace("**/", "")) if "**" in rest else root.glob(rest)
+  return sorted(os.fspath(m) for m in found)
+
+
+@contextlib.contextmanager
+def open_file(path: PathLike, mode: str = "r", encoding: str = "utf-8") -> Iterator[IO[Any]]:
+  if "b" in mode:
+    with as_epath(path).open(mode) as f:
+      yield f
+  else:
+    with as_epath(path).open(mode, encoding=encoding) as f:
+      yield f
+
+
+def read_text(path: PathLike) -> str:
+  return as_epath(path).read_text(encoding="utf-8")
+
+
+def read_bytes(path: PathLike) -> bytes:
+  return as_epath(path).read_bytes()
+
+
+def read_json(path: PathLike) -> Any:
+  return json.loads(read_text(path))
+
+
+def write_bytes(path: PathLike, data: bytes) -> None:
+  """Writes a whole file so that a reader never sees part of it.
+
+  Locally through a temporary file and a rename; an object store's single upload is atomic
+  already (an object appears whole when its upload completes).
+  """
+  text = check(path, "path")
+  if is_remote(text):
+    epath.Path(text).write_bytes(data)
+    return
+  directory = os.path.dirname(os.path.abspath(text))
+  os.makedirs(directory, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(text) + ".")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    os.replace(tmp, text)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+
+
+def write_text(path: PathLike, text: str) -> None:
+  write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: PathLike, obj: Any, indent: int = 2) -> None:
+  write_text(path, json.dumps(obj, indent=indent))
+
+
+def remove(path: PathLike) -> None:
+  """Deletes a file; a missing one is not an error."""
+  p = as_epath(path)
+  if p.exists():
+    p.unlink()
+
+
+def rmtree(path: PathLike) -> None:
+  p = as_epath(path)
+  if not p.exists():
+    return
+  if is_remote(path):
+    p.rmtree()
+  else:
+    shutil.rmtree(os.fspath(p))
+
+
+def rename(src: PathLike, dst: PathLike) -> None:
+  """Moves a file or directory (on object stores: copy then delete, so not atomic)."""
+  as_epath(src).rename(as_epath(dst))
+
+
+def copy(src: PathLike, dst: PathLike) -> None:
+  """Copies one file, between any two kinds of path."""
+  write_bytes(dst, read_bytes(src))
+
+
+def size(path: PathLike) -> int:
+  return as_epath(path).stat().length
+
+
+def matches(name: str, pattern: str) -> bool:
+  return fnmatch.fnmatchcase(name, pattern)
+
+
+@contextlib.contextmanager
+def local_copy(path: PathLike) -> Iterator[str]:
+  """A local file with `path`'s bytes, for libraries that only open local files (SentencePiece)."""
+  text = check(path, "path")
+  if not is_remote(text):
+    yield text
+    return
+  with tempfile.TemporaryDirectory(prefix="midas_fs_") as tmp:
+    local = os.path.join(tmp, posixpath.basename(text.rstrip("/")) or "file")
+    with open(local, "wb") as f:
+      f.write(read_bytes(text))
+    yield local
+
+
+@contextlib.contextmanager
+def staged_dir(path: PathLike) -> Iterator[str]:
+  """A local directory whose contents land in `path` when the block ends without error.
+
+  For writers that only write local files (a tokenizer's save_pretrained, a plot library); on a
+  local `path` it is `path` itself.
+  """
+  text = check(path, "path")
+  if not is_remote(text):
+    os.makedirs(text, exist_ok=True)
+    yield text
+    return
+  with tempfile.TemporaryDirectory(prefix="midas_fs_") as tmp:
+    yield tmp
+    for root, _, files in os.walk(tmp):
+      for name in files:
+        local = os.path.join(root, name)
+        copy(local, join(text, os.path.relpath(local, tmp).replace(os.sep, "/")))
