@@ -4,6 +4,8 @@ Each config validates itself on construction, so a bad value fails with a messag
 setting and the fix before anything is compiled. gin binds these classes by name
 (`ModelConfig.d_model = 256`, see `gin_config.py`); Python and notebook users construct them
 directly.
+
+This module imports nothing of the package but errors.py, so every other module may import it.
 """
 
 from __future__ import annotations
@@ -299,6 +301,8 @@ class TrainerConfig:
   """The loop: how long, how often to log and evaluate, and the MFU denominator.
 
   peak_flops_per_device: None takes a known accelerator's bf16 peak, or on CPU measures a matmul.
+  progress_bar: None (the default) draws a bar on stderr only when stderr is a terminal; True
+    draws it anyway (into a log file it redraws once a minute), False never.
   """
 
   num_steps: int = 1000
@@ -307,7 +311,7 @@ class TrainerConfig:
   eval_every: int = 250
   eval_batches: int = 4
   peak_flops_per_device: Optional[float] = None
-  progress_bar: bool = True
+  progress_bar: Optional[bool] = None
 
   def __post_init__(self):
     s = "TrainerConfig."
@@ -398,8 +402,8 @@ class StackingConfig:
             f"unknown choice {self.lr_schedule!r}", f"use one of {LR_SCHEDULES}")
     require(isinstance(self.rewarm_steps, int) and self.rewarm_steps >= 0, s + "rewarm_steps",
             f"must be an int >= 0, got {self.rewarm_steps!r}", "0 reuses OptimizerConfig.warmup_steps")
-    from midas_jax.stacking import operators  # lazy: operators imports nothing from here
-    operators.get_operator(self.operator)
+    require(isinstance(self.operator, str) and bool(self.operator), s + "operator",
+            f"must be an operator name, got {self.operator!r}", "use 'midas' or 'gradstack'")
 
   def resolved_block_size(self, num_layers: int) -> int:
     return self.block_size if self.block_size is not None else num_layers // self.num_stages
@@ -410,7 +414,11 @@ class StackingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """Everything one training run needs."""
+  """Everything one training run needs.
+
+  Checks that need the stacking operators (the depth a schedule reaches, stage lengths against
+  warmups) live in stacking/checks.py, which the gin entry point and the stage controller run.
+  """
 
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
@@ -424,44 +432,6 @@ class RunConfig:
     require(self.data.seq_len <= self.model.max_seq_len, "DataConfig.seq_len",
             f"seq_len={self.data.seq_len} exceeds ModelConfig.max_seq_len={self.model.max_seq_len}",
             "raise ModelConfig.max_seq_len or lower DataConfig.seq_len")
-    self._check_stacking()
-
-  def _check_stacking(self):
-    st, layers, num_steps = self.stacking, self.model.num_layers, self.trainer.num_steps
-    s = "StackingConfig."
-    if st.stage_steps is not None:
-      require(sum(st.stage_steps) == num_steps, s + "stage_steps",
-              f"{st.stage_steps} sum to {sum(st.stage_steps)}, not TrainerConfig.num_steps={num_steps}",
-              "make the stage steps add up to num_steps, or leave stage_steps None for Prop-alpha")
-    if st.num_stages == 1:
-      return
-    k = st.num_stages
-    require(k <= num_steps, s + "num_stages", f"{k} stages but only TrainerConfig.num_steps={num_steps}",
-            "use at most num_steps stages (every stage needs a step), or train longer")
-    if st.block_size is None:
-      require(layers % k == 0, s + "num_stages",
-              f"ModelConfig.num_layers={layers} is not divisible by num_stages={k}",
-              "choose num_stages that divides num_layers, or set StackingConfig.block_size")
-    else:
-      require(layers % st.block_size == 0, s + "block_size",
-              f"block_size={st.block_size} does not divide ModelConfig.num_layers={layers}",
-              "choose a block size that divides num_layers")
-    # Simulated, not k * b: an operator such as gstack need not add one block per stage.
-    from midas_jax.stacking import operators, schedule  # lazy: both import this module
-    b = st.resolved_block_size(layers)
-    depths = operators.stage_depths(st.operator, k, b)
-    require(depths[-1] == layers, s + "num_stages",
-            f"{k} stages of {st.operator!r} growth from one block of {b} layers end at depth {depths[-1]} "
-            f"(stage depths {depths}), not ModelConfig.num_layers={layers}",
-            f"for one block per stage make num_stages * block_size = num_layers "
-            f"(e.g. num_stages={layers // b})")
-    if st.lr_schedule == "rewarm":
-      steps = st.stage_steps or schedule.prop_alpha_steps(num_steps, k, st.alpha)
-      rewarm = st.resolved_rewarm_steps(self.optimizer.warmup_steps)
-      short = [i + 1 for i, t in enumerate(steps) if i > 0 and t < rewarm]
-      require(not short, s + "rewarm_steps",
-              f"the re-warmup ({rewarm} steps) is longer than stage(s) {short} (stage steps {tuple(steps)})",
-              "lower StackingConfig.rewarm_steps (0 means OptimizerConfig.warmup_steps), or use fewer stages")
 
 
 CONFIG_CLASSES: Sequence[type] = (ModelConfig, MeshConfig, OptimizerConfig, DataConfig, TrainerConfig,

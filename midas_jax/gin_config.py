@@ -18,6 +18,7 @@ import gin
 
 from midas_jax import configs
 from midas_jax.errors import ConfigError
+from midas_jax.stacking import checks as stacking_checks
 
 _registered = False
 
@@ -130,10 +131,11 @@ def run_config_from_gin() -> configs.RunConfig:
   """Builds the RunConfig from the parsed bindings; validation errors name the setting."""
   register_configurables()
   try:
-    return configs.RunConfig(model=configs.ModelConfig(), mesh=configs.MeshConfig(),
-                             optimizer=configs.OptimizerConfig(), data=configs.DataConfig(),
-                             trainer=configs.TrainerConfig(), stacking=configs.StackingConfig(),
-                             checkpoint=configs.CheckpointConfig())
+    config = configs.RunConfig(model=configs.ModelConfig(), mesh=configs.MeshConfig(),
+                               optimizer=configs.OptimizerConfig(), data=configs.DataConfig(),
+                               trainer=configs.TrainerConfig(), stacking=configs.StackingConfig(),
+                               checkpoint=configs.CheckpointConfig())
+    return stacking_checks.validate(config)
   except Exception as e:  # pylint: disable=broad-except
     _unwrap_config_error(e)
     raise

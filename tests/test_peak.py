@@ -8,7 +8,7 @@ import types
 import jax
 import pytest
 
-from midas_jax.bench import peak
+from midas_jax import device_peak as peak
 from midas_jax.errors import ConfigError
 
 
@@ -20,7 +20,7 @@ def test_measured_peak_is_plausible(dtype, accum):
 
 def test_measured_peak_is_a_per_device_share_with_many_devices():
   # A fresh process, since the host device count is fixed when jax starts.
-  code = ("from midas_jax.bench.peak import measure_matmul_peak; import jax; "
+  code = ("from midas_jax.device_peak import measure_matmul_peak; import jax; "
           "assert jax.local_device_count() == 4; print(measure_matmul_peak(size=256, repeats=3))")
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
          "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from midas_jax import configs, flops
 from midas_jax.errors import ConfigError
+from midas_jax.stacking import checks
 from midas_jax.stacking import schedule as sched
 
 # 24 layers in 6 blocks of 4: the block layout of the MIDAS paper's similarity figure.
@@ -145,10 +146,10 @@ def test_speedups_refuse_a_schedule_for_another_depth():
 
 
 def run(layers=8, steps=100, warmup=10, **stacking):
-  return configs.RunConfig(model=configs.ModelConfig(num_layers=layers),
-                           optimizer=configs.OptimizerConfig(warmup_steps=warmup),
-                           trainer=configs.TrainerConfig(num_steps=steps),
-                           stacking=configs.StackingConfig(**stacking))
+  return checks.validate(configs.RunConfig(model=configs.ModelConfig(num_layers=layers),
+                                           optimizer=configs.OptimizerConfig(warmup_steps=warmup),
+                                           trainer=configs.TrainerConfig(num_steps=steps),
+                                           stacking=configs.StackingConfig(**stacking)))
 
 
 def test_run_config_accepts_good_stacking():
@@ -183,7 +184,7 @@ def test_run_config_errors_name_the_setting(kwargs, setting):
 @pytest.mark.parametrize("kwargs, setting", [
     (dict(num_stages=0), "StackingConfig.num_stages"),
     (dict(block_size=0), "StackingConfig.block_size"),
-    (dict(operator="middle"), "StackingConfig.operator"),
+    (dict(operator=""), "StackingConfig.operator"),
     (dict(alpha=float("nan")), "StackingConfig.alpha"),
     (dict(alpha=float("inf")), "StackingConfig.alpha"),
     (dict(num_stages=2, stage_steps=(5, 0)), "StackingConfig.stage_steps"),  # a stage of 0 steps
@@ -200,7 +201,7 @@ def test_stacking_config_errors(kwargs, setting):
 
 def test_unknown_operator_lists_the_known_ones():
   with pytest.raises(ConfigError, match="gradstack") as e:
-    configs.StackingConfig(operator="middle")
+    run(operator="middle")
   assert "midas" in e.value.fix
 
 

@@ -17,7 +17,7 @@ from typing import Dict
 import jax
 
 from midas_jax import flops
-from midas_jax.bench.peak import known_peak_flops, matmul_peak_sampler
+from midas_jax.device_peak import known_peak_flops, matmul_peak_sampler
 from midas_jax.configs import RunConfig
 from midas_jax.train.experiment import build_experiment
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from midas_jax import sharding
 from midas_jax.configs import RunConfig
-from midas_jax.stacking import operators
+from midas_jax.stacking import checks, operators
 from midas_jax.stacking.grow import make_grower
 from midas_jax.stacking.schedule import (StageSchedule, cumulative_flops, flop_speedup,
                                         layer_only_speedup_of, schedule_from_config)
@@ -64,7 +64,7 @@ class StageController:
   """Owns the stage schedule of a run and moves a TrainState from one stage to the next."""
 
   def __init__(self, config: RunConfig, devices=None):
-    self.config = config
+    self.config = checks.validate(config)
     self.devices = devices
     self.schedule: StageSchedule = schedule_from_config(config.stacking, config.trainer.num_steps,
                                                         config.model.num_layers)

@@ -1,0 +1,53 @@
+"""Checks of a RunConfig that need the stacking operators and schedules.
+
+They sit here rather than in configs.py so that configs.py imports nothing of the package (the
+operators and schedules import configs). `validate` runs where a run starts: when gin builds the
+RunConfig (gin_config.run_config_from_gin) and when the stage controller takes a config from Python,
+so a bad stacking setting stops a run before anything is compiled.
+"""
+
+from __future__ import annotations
+
+from midas_jax.configs import RunConfig
+from midas_jax.errors import require
+from midas_jax.stacking import operators, schedule
+
+
+def validate(config: RunConfig) -> RunConfig:
+  """Raises ConfigError, naming the setting, when the stacking settings cannot describe a run."""
+  st, layers, num_steps = config.stacking, config.model.num_layers, config.trainer.num_steps
+  s = "StackingConfig."
+  operators.get_operator(st.operator)
+  if st.stage_steps is not None:
+    require(sum(st.stage_steps) == num_steps, s + "stage_steps",
+            f"{st.stage_steps} sum to {sum(st.stage_steps)}, not TrainerConfig.num_steps={num_steps}",
+            "make the stage steps add up to num_steps, or leave stage_steps None for Prop-alpha")
+  if st.num_stages == 1:
+    return config
+  k = st.num_stages
+  require(k <= num_steps, s + "num_stages", f"{k} stages but only TrainerConfig.num_steps={num_steps}",
+          "use at most num_steps stages (every stage needs a step), or train longer")
+  if st.block_size is None:
+    require(layers % k == 0, s + "num_stages",
+            f"ModelConfig.num_layers={layers} is not divisible by num_stages={k}",
+            "choose num_stages that divides num_layers, or set StackingConfig.block_size")
+  else:
+    require(layers % st.block_size == 0, s + "block_size",
+            f"block_size={st.block_size} does not divide ModelConfig.num_layers={layers}",
+            "choose a block size that divides num_layers")
+  # Simulated, not k * b: an operator such as gstack need not add one block per stage.
+  b = st.resolved_block_size(layers)
+  depths = operators.stage_depths(st.operator, k, b)
+  require(depths[-1] == layers, s + "num_stages",
+          f"{k} stages of {st.operator!r} growth from one block of {b} layers end at depth {depths[-1]} "
+          f"(stage depths {depths}), not ModelConfig.num_layers={layers}",
+          f"for one block per stage make num_stages * block_size = num_layers "
+          f"(e.g. num_stages={layers // b})")
+  if st.lr_schedule == "rewarm":
+    steps = st.stage_steps or schedule.prop_alpha_steps(num_steps, k, st.alpha)
+    rewarm = st.resolved_rewarm_steps(config.optimizer.warmup_steps)
+    short = [i + 1 for i, t in enumerate(steps) if i > 0 and t < rewarm]
+    require(not short, s + "rewarm_steps",
+            f"the re-warmup ({rewarm} steps) is longer than stage(s) {short} (stage steps {tuple(steps)})",
+            "lower StackingConfig.rewarm_steps (0 means OptimizerConfig.warmup_steps), or use fewer stages")
+  return config
