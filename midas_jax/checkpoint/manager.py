@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from midas_jax.configs import CheckpointConfig
+from midas_jax.console import say
 from midas_jax.errors import NonFiniteLossError
 from midas_jax.train.state import TrainState
 
@@ -48,7 +49,7 @@ def _all_finite(tree) -> jax.Array:
 
 def _say(message: str) -> None:
   if jax.process_index() == 0:
-    print(f"checkpoint: {message}", flush=True)
+    say(f"checkpoint: {message}")
 
 
 def make_manager(directory: str, config: Optional[CheckpointConfig] = None, read_only: bool = False):

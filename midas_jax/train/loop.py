@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from midas_jax import flops, sharding
-from midas_jax.bench.peak import peak_flops_per_device
+from midas_jax.device_peak import peak_flops_per_device
 from midas_jax.checkpoint import metadata as metadata_lib
 from midas_jax.checkpoint.manager import OrbaxCheckpointer
 from midas_jax.configs import RunConfig
@@ -22,6 +22,7 @@ from midas_jax.errors import ConfigError, NonFiniteLossError
 from midas_jax.stacking.controller import StageController
 from midas_jax.train.experiment import Experiment
 from midas_jax.train import resume
+from midas_jax.console import bar_wanted, say
 from midas_jax.train.metrics import MetricWriter, NullWriter, Progress, truncate_after
 from midas_jax.train.preemption import PreemptionGuard
 from midas_jax.train.state import TrainState
@@ -187,9 +188,8 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
         f.write(operative_config)
     truncate_after(workdir, start_step)  # a restart redoes the steps after its checkpoint (or all)
     if start_step:
-      print(f"resuming from the checkpoint of step {start_step} (stage {stage.index}, depth {stage.depth})"
-            + (f"; accepted config changes: {'; '.join(begin.accepted_changes)}" if begin.accepted_changes else ""),
-            flush=True)
+      say(f"resuming from the checkpoint of step {start_step} (stage {stage.index}, depth {stage.depth})"
+          + (f"; accepted config changes: {'; '.join(begin.accepted_changes)}" if begin.accepted_changes else ""))
   peak = peak_flops_per_device(trainer.peak_flops_per_device, dtype=config.model.dtype) * jax.device_count()
   tokens_per_step = data.batch_size * data.seq_len
 
@@ -206,7 +206,7 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
 
   batches = Prefetcher(stage.experiment.host_batch, start_step, trainer.num_steps, data.prefetch)
   writer = MetricWriter(workdir) if primary else NullWriter()
-  progress = Progress(trainer.num_steps, initial_step=start_step, enabled=trainer.progress_bar and primary)
+  progress = Progress(trainer.num_steps, initial_step=start_step, enabled=bar_wanted(trainer.progress_bar) and primary)
   t_start, eval_seconds = time.time(), 0.0
   last_loss, eval_loss, preempted, done = float("nan"), None, False, start_step
   window = _Window(start_step)
@@ -282,7 +282,7 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
           save(done, force=preempted)
         window.restart(done)
         if preempted:
-          print(f"stopped at step {done} after saving; run the same command to resume", flush=True)
+          say(f"stopped at step {done} after saving; run the same command to resume")
           break
     if not preempted:
       save(trainer.num_steps, force=True)

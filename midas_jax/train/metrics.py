@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import tqdm
 
+from midas_jax.console import is_tty as _is_tty, say
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 _RESERVED = ("step", "split")
@@ -102,12 +104,7 @@ class MetricWriter:
       for name, value in values.items():
         tb.add_scalar(name, float(value), global_step=step)
     if self._stdout:
-      line = summary_line(step, split, values)
-      if _is_tty(sys.stdout):  # lift a progress bar off the shared terminal so the two do not mangle
-        tqdm.tqdm.write(line, file=sys.stdout)
-      else:  # a log file: redrawing the bar into stderr's log for every line would only add noise
-        sys.stdout.write(line + "\n")
-      sys.stdout.flush()
+      say(summary_line(step, split, values))
 
   def _tb_writer(self, split: str):
     if split not in self._tb_writers:
@@ -182,18 +179,12 @@ def read_metrics(workdir: str, split: Optional[str] = None) -> List[Dict[str, An
   return records
 
 
-def _is_tty(stream) -> bool:
-  try:
-    return stream.isatty()
-  except (AttributeError, ValueError):
-    return False
-
-
 class Progress:
   """A tqdm bar on stderr with ETA, driven by absolute step numbers.
 
-  On a terminal it redraws at most twice a second. Into a file or pipe (batch jobs, CI) each redraw
-  is a new chunk of log, so it redraws at most once a minute there; enabled=False prints nothing.
+  On a terminal it redraws at most twice a second. Asked for into a file or pipe, each redraw is a
+  new chunk of log, so it redraws at most once a minute there; enabled=False prints nothing. Lines
+  printed through console.say appear above the bar.
   """
 
   def __init__(self, total_steps: int, initial_step: int = 0, enabled: bool = True):
