@@ -2,8 +2,8 @@
 
 from setuptools import find_packages, setup
 
-# Versions that resolved together and passed every check on our machines (see DESIGN notes in
-# shared/reference/dependencies.md). Pinned because jax, flax and orbax break each other's APIs.
+# Versions that resolved together and passed every check on our machines (docs/dependencies.md).
+# Pinned because jax, flax and orbax break each other's APIs.
 CORE = [
     "jax==0.10.2",
     "jaxlib==0.10.2",

@@ -2,7 +2,7 @@
 
   python launch/slurm.py --nodes=2 --gpus_per_node=8 --partition=gpu --time=24:00:00 \
       --venv=$PWD/.venv -- train --gin_file=gin/experiments/paper_1b_midas_prop1.gin \
-      --gin_file=gin/meshes/gpu_8.gin --gin.MeshConfig.data=2 --workdir=/shared/runs/paper_1b_midas
+      --gin_file=gin/meshes/gpu_8.gin --gin.MeshConfig.data=2 --workdir=/nfs/runs/paper_1b_midas
 
 The script is written to --script (default midas_<job_name>.sbatch) and submitted with sbatch;
 --dry-run prints both instead. Each task finds the job from srun's SLURM_* variables (jax reads

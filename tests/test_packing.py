@@ -1,4 +1,4 @@
-"""Packing examples into rows of the one shared format (DESIGN.md, decision 4)."""
+"""Packing examples into rows of the one shared format (docs/architecture.md#one-example-format)."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Step-addressed batches over the built-in corpus (DESIGN.md, decision 5)."""
+"""Step-addressed batches over the built-in corpus (docs/architecture.md#data-addressed-by-step)."""
 
 import numpy as np
 import pytest

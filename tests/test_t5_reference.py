@@ -1,7 +1,7 @@
 """Our span corruption and prefix split against t5 0.9.4's, on the same documents.
 
-Needs t5 installed with --no-deps plus what t5.data imports (shared/reference/dependencies.md,
-trap 1); skipped otherwise. What must agree:
+Needs t5 installed with --no-deps plus what t5.data imports (docs/dependencies.md); skipped
+otherwise. What must agree:
   - exactly: per document, the number of noise tokens, of spans, the output lengths, the sentinel
     ids and their order, and the layout (one reconstruction reads both outputs back to the text);
     these are functions of the length alone, so any difference is a bug, not noise;

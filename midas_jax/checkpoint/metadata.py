@@ -1,6 +1,6 @@
 """What a checkpoint says about itself, and whether a config may resume from it.
 
-Every save carries JSON metadata (DESIGN.md decision 6): the resolved RunConfig, the operative gin
+Every save carries JSON metadata (docs/architecture.md#checkpoints-carry-their-meaning): the resolved RunConfig, the operative gin
 config, stage, depth, layer lineage and growths, the data seed and step, and package versions. A
 resume compares the saved config with the new one: operational settings (mesh, logging, evaluation
 cadence, checkpoint policy) may change freely; anything that changes what is trained needs an

@@ -1,4 +1,4 @@
-"""UL2 objectives in decoder-only form (DESIGN.md, decision 4): every example is `inputs + targets`.
+"""UL2 objectives in decoder-only form (docs/architecture.md#one-example-format): every example is `inputs + targets`.
 
 The inputs are the bidirectional prefix (no loss), the targets are predicted causally.
 

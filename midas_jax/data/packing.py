@@ -1,4 +1,4 @@
-"""Rows in the one format every objective shares (DESIGN.md, decision 4).
+"""Rows in the one format every objective shares (docs/architecture.md#one-example-format).
 
 An example is a token sequence with a bidirectional prefix of `prefix_len` tokens (0 for causal
 LM) and an objective id. A row packs several examples; per token it carries

@@ -2,7 +2,7 @@
 
 Row r of step s is built from its own random draws, addressed by (seed, split, s * batch_size + r)
 (streams.py), so any process can build exactly its own rows, resuming needs no iterator state, and
-changing the number of processes changes nothing (DESIGN.md, decision 5).
+changing the number of processes changes nothing (docs/architecture.md#data-addressed-by-step).
 
 A row is filled example by example until fewer than `min_chunk` slots remain. Each example picks
 its objective (causal / prefix LM / one of the span denoisers) at the configured rates, then a

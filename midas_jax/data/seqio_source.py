@@ -1,6 +1,6 @@
 """A registered seqio Task as a data source: its "targets" read once into a memory-mapped token cache.
 
-Why materialize. Batches are addressed by step (DESIGN.md, decision 5): each row of each step picks
+Why materialize. Batches are addressed by step (docs/architecture.md#data-addressed-by-step): each row of each step picks
 documents at random from the whole split, so the pipeline needs random access to every document,
 which a tf.data stream cannot give. The first `DataConfig.max_documents` examples of the split are
 therefore read once, in the task's own order (no shuffling, one epoch), and kept as one flat int32
@@ -10,7 +10,7 @@ materialize needs a sharded on-disk cache addressed by global document index (e.
 written offline); that is future work.
 
 Why a cache. Reading a TFDS split through TensorFlow takes minutes at large max_documents, and every
-restart would repeat it (anchors.md section 6, items 1 and 10: resume must not stall on data). The
+restart would repeat it (resume must not stall on data). The
 tokens are written once to `<cache_dir>/<task>_<split>_<max_documents>_<hash>/` as tokens.npy (flat)
 and offsets.npy (n + 1 int64 offsets), into a temporary folder that is then renamed into place, so a
 crash or a concurrent process never leaves half a cache. Later runs memory-map them without importing
@@ -88,7 +88,7 @@ def load_token_documents_from_task(config: DataConfig, split: str, cache_dir: Op
   path = cache_path(config, name, vocab, cache_dir)
   if not _is_complete(path):
     start = time.time()
-    # Visible by default: a long one-time read must not look like a hang (anchors.md 6.10).
+    # Visible by default: a long one-time read must not look like a hang.
     _log.warning("reading up to %d documents of seqio task %s, split %s, through TensorFlow once; "
                  "caching their tokens in %s", config.max_documents, config.seqio_task, name, path)
     docs = _read_task(config, split, vocab)

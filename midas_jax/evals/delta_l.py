@@ -2,7 +2,7 @@
 
 Yao, Zhang and Xu (ICML 2025) train on a mixture of reasoning data (PrOntoQA) and memory data
 (TinyStories) and find that with small initialization the reasoning loss falls much faster. Their
-exact metric was not found (reference/papers.md 4b); this suite reports the relative gap
+exact metric was not found (docs/papers.md#the-reasoning-bias-of-small-initialization); this suite reports the relative gap
 Delta L = (L_A - L_B) / L_B, the causal-LM loss per target token of A's held-out documents against
 B's, at every kept checkpoint of a run. Negative Delta L: A is the better-predicted data set.
 

@@ -4,12 +4,12 @@ Why: a stacked model is grown by copying blocks, and copies stay similar for a w
 middle block) should show its most recently duplicated middle blocks as similar, GradStack (copy the
 top block) its top blocks, the structure Saunshi et al. (2024) compare with a looped model's.
 
-Measure (the paper's exact one was not found, see reference/papers.md 1g): for each weight-matrix
+Measure (the paper's exact one was not found, see docs/papers.md#stacking-and-looped-models): for each weight-matrix
 type of a layer (attn query/key/value/out, mlp gate/up/down or fc/proj), the cosine between two
 layers' flattened matrices; "mean" averages the types. A block's vector for a type is its layers'
 matrices concatenated in order, so two blocks compare layer k with layer k. Norm scales and biases
 are left out: scales start at 1 in every layer, so their cosine is near 1 whatever the training did.
-Everything under params["layers"] carries the leading layers axis of the scanned stack (DESIGN.md 1).
+Everything under params["layers"] carries the leading layers axis of the scanned stack (docs/architecture.md#stacked-layers).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A query may see a key when both belong to the same packed segment and either the key is not later
 than the query (causal) or both lie in the segment's bidirectional prefix. Causal LM is the case of
-an empty prefix; prefix LM and span corruption put their inputs in the prefix (DESIGN.md, decision 4).
+an empty prefix; prefix LM and span corruption put their inputs in the prefix (docs/architecture.md#one-example-format).
 """
 
 import jax

@@ -1,7 +1,7 @@
 """The decoder-only transformer: embeddings, a scanned stack of blocks, final norm, LM head.
 
 The blocks are scanned (nn.scan), so every per-layer parameter carries a leading `layers` axis
-(DESIGN.md, decision 1): params["layers"]["attn"]["query"] has shape [num_layers, embed, heads, kv].
+(docs/architecture.md#stacked-layers): params["layers"]["attn"]["query"] has shape [num_layers, embed, heads, kv].
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def scanned_blocks(cfg: ModelConfig, num_layers: int):
 
 
 class Decoder(nn.Module):
-  """Maps a batch (DESIGN.md decision 4) to float32 logits [batch, length, vocab]."""
+  """Maps a batch (docs/architecture.md#one-example-format) to float32 logits [batch, length, vocab]."""
 
   cfg: ModelConfig
 

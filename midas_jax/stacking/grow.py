@@ -1,4 +1,4 @@
-"""Growing a TrainState in depth: one gather along the `layers` axis (DESIGN.md, decisions 1-3).
+"""Growing a TrainState in depth: one gather along the `layers` axis (docs/architecture.md#growth-is-a-gather).
 
 `provenance[j]` is the old layer that new layer j copies (-1: a freshly initialized layer); the
 operators in `operators.py` compute it. Every parameter with a `layers` axis, and every optimizer

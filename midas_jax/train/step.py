@@ -11,7 +11,7 @@ import optax
 from midas_jax.model import Decoder
 from midas_jax.train.state import TrainState
 
-# Objective ids carried by every row (DESIGN.md, decision 4); metrics report each beside the total.
+# Objective ids carried by every row (docs/architecture.md#one-example-format); metrics report each beside the total.
 OBJECTIVES = ("causal", "prefix", "span")
 
 
