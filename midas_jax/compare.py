@@ -2,7 +2,8 @@
 
 `midas compare` (the default job) and `midas bench stacking` use this: both runs share data, seed,
 steps and schedule, so their losses compare at equal steps, and the FLOP axis compares them at equal
-compute. Writes comparison.json, comparison.md and loss_vs_flops.png under the workdir, with each
+compute: the table's last line is the baseline's eval loss at the stacked run's total FLOPs,
+interpolated on the baseline's eval curve. Writes comparison.json, comparison.md and loss_vs_flops.png under the workdir, with each
 run's own outputs in <workdir>/<run name>/.
 """
 
@@ -11,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 import jax
+import numpy as np
 
 from midas_jax.configs import RunConfig, StackingConfig
 from midas_jax.train import loop
@@ -40,6 +42,26 @@ def summarize(name: str, result: loop.TrainResult) -> Dict[str, object]:
   for objective in OBJECTIVES:
     row[f"eval_loss/{objective}"] = last_eval.get(f"loss/{objective}")
   return row
+
+
+def loss_at_flops(eval_rows: Sequence[Dict[str, object]], flops: float) -> Optional[float]:
+  """The eval loss a run had spent `flops` training FLOPs into, interpolated linearly between its
+  eval points; None outside them (no extrapolation)."""
+  points = sorted((r["cumulative_flops"], r["loss"]) for r in eval_rows
+                  if r.get("cumulative_flops") is not None and r.get("loss") is not None)
+  if not points or not points[0][0] <= flops <= points[-1][0]:
+    return None
+  xs, ys = zip(*points)
+  return float(np.interp(flops, xs, ys))
+
+
+def equal_flops_line(stacked: Dict[str, object], baseline_loss: Optional[float]) -> str:
+  """One line: the baseline's eval loss at the stacked run's total FLOPs, beside the stacked run's."""
+  fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+  got = "outside its eval points" if baseline_loss is None else fmt(baseline_loss)
+  return (f"At equal FLOPs: the baseline's eval loss at {stacked['run']}'s total {stacked['total_flops']:.3e} "
+          f"FLOPs (interpolated on its eval curve) is {got}; {stacked['run']} ends at "
+          f"{fmt(stacked['final_eval_loss'])}.")
 
 
 def markdown_table(rows: List[Dict[str, object]]) -> str:
@@ -105,7 +127,9 @@ def compare(config: RunConfig, workdir: str, operative_config: str = "",
   report = {"runs": rows, "growths": growths,
             "measured_speedup": baseline["train_seconds"] / max(stacked["train_seconds"], 1e-9),
             "flop_ratio": baseline["total_flops"] / stacked["total_flops"]}
-  table = markdown_table(rows)
+  at_equal_flops = loss_at_flops(read_metrics(baseline["workdir"], "eval"), stacked["total_flops"])
+  report["baseline_eval_loss_at_stacked_flops"] = at_equal_flops
+  table = markdown_table(rows) + "\n\n" + equal_flops_line(stacked, at_equal_flops)
   if jax.process_index() == 0:  # files come from process 0 only
     with open(os.path.join(workdir, "comparison.json"), "w") as f:
       json.dump(report, f, indent=2)
