@@ -71,7 +71,8 @@ def test_study_config_is_checked():
     anchor.AnchorStudyConfig(d_model=10, num_heads=4)
 
 
-TINY = ["--gin.AnchorStudyConfig.gammas=[0.5, 0.8]", "--gin.AnchorStudyConfig.depths=[1]",
+TINY = ["--gin.AnchorStudyConfig.gammas=[0.5]", "--gin.AnchorStudyConfig.depths=[2]",
+        "--gin.AnchorStudyConfig.arms=['fixed', 'midas']",
         "--gin.AnchorStudyConfig.d_model=16", "--gin.AnchorStudyConfig.d_ff=32",
         "--gin.AnchorStudyConfig.train_examples=4096", "--gin.AnchorStudyConfig.batch_size=64",
         "--gin.AnchorStudyConfig.steps=20", "--gin.AnchorStudyConfig.warmup_steps=5",
@@ -83,9 +84,13 @@ def test_cli_trains_the_grid_scores_it_and_resumes(tmp_path, repo_root, capsys):
   workdir = tmp_path / "study"
   assert cli.main(["study", "anchor", f"--gin_file={gin_file}", f"--workdir={workdir}"] + TINY) == 0
   result = json.load(open(workdir / "anchor_study.json"))
-  assert [(g["gamma"], g["depth"]) for g in result["grid"]] == [(0.5, 1), (0.8, 1)]
+  assert [(g["arm"], g["gamma"], g["depth"]) for g in result["grid"]] == [("fixed", 0.5, 2), ("midas", 0.5, 2)]
+  fixed, midas = result["cells"]
+  assert [(t["step"], t["depth"]) for t in fixed["trajectory"]] == [(10, 2), (20, 2)]
+  # Prop-1 over 20 steps in 2 one-layer stages: 7 then 13 steps; scored at the end of each stage too.
+  assert midas["stage_steps"] == [7, 13]
+  assert [(t["step"], t["depth"]) for t in midas["trajectory"]] == [(7, 1), (10, 2), (20, 2)]
   for cell in result["cells"]:
-    assert [t["step"] for t in cell["trajectory"]] == [10, 20]
     fractions = [cell["inferential"], cell["symmetric"], cell["seen"]]
     assert all(0.0 <= f <= 1.0 for f in fractions) and cell["inferential"] + cell["symmetric"] <= 1.0
     assert cell["kind"] in ("inferential", "symmetric", "neither", "unfit")
@@ -97,6 +102,35 @@ def test_cli_trains_the_grid_scores_it_and_resumes(tmp_path, repo_root, capsys):
   assert cli.main(["study", "anchor", f"--gin_file={gin_file}", f"--workdir={workdir}"] + TINY) == 0
   assert len(open(workdir / "cells.jsonl").read().splitlines()) == 2
   assert "gamma=" not in capsys.readouterr().out
+
+
+def test_growing_a_cell_copies_layers_and_their_adam_moments():
+  """MIDAS from 2 one-layer blocks to 3: provenance [0, 0, 1]; every `layers` leaf is gathered, moments too."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  from midas_jax.evals import anchor_train  # pylint: disable=import-outside-toplevel
+  from midas_jax.model import Decoder  # pylint: disable=import-outside-toplevel
+  cfg = anchor.AnchorStudyConfig(d_model=16, d_ff=32, steps=10, warmup_steps=1)
+  model = Decoder(anchor_train.model_config(cfg, 0.5, 2))
+  params = nn.unbox(model.init(jax.random.key(0), anchor_train.decoder_batch(np.zeros((1, 8), np.int32)))["params"])
+  tx = anchor_train.make_optimizer(cfg)
+  opt_state = tx.init(params)
+  grads = jax.tree.map(lambda p: np.ones_like(p) * np.arange(p.size).reshape(p.shape) / p.size, params)
+  _, opt_state = tx.update(grads, opt_state, params)  # moments that differ per layer
+  grown, grown_opt = anchor_train.grow(model, tx, params, opt_state, "midas")
+  old, new = jax.tree_util.tree_leaves_with_path(params), dict(jax.tree_util.tree_leaves_with_path(grown))
+  layered = 0
+  for path, leaf in old:
+    if leaf.shape[0] == 2 and "layers" in jax.tree_util.keystr(path):
+      layered += 1
+      np.testing.assert_array_equal(new[path], leaf[np.array([0, 0, 1])])
+    else:
+      np.testing.assert_array_equal(new[path], leaf)  # embeddings, final norm
+  assert layered > 4
+  mu = lambda s: [x for x in jax.tree.leaves(s) if getattr(x, "ndim", 0) >= 2 and x.shape[0] in (2, 3)]  # noqa: E731
+  for before, after in zip(mu(opt_state), mu(grown_opt)):
+    if after.shape[0] == 3:
+      np.testing.assert_array_equal(after, np.asarray(before)[np.array([0, 0, 1])])
 
 
 def test_cli_names_a_bad_setting(tmp_path, repo_root, capsys):
