@@ -1,0 +1,97 @@
+"""`midas study stacking` end to end at a tiny size, and the study's statistics on hand-made cells."""
+
+import json
+import os
+
+import pytest
+
+from midas_jax import cli
+from midas_jax.errors import ConfigError
+from midas_jax.evals import stacking_study, stacking_study_page
+
+TINY = ["--gin.ModelConfig.d_model=32", "--gin.ModelConfig.num_layers=2", "--gin.ModelConfig.num_heads=2",
+        "--gin.ModelConfig.num_kv_heads=None", "--gin.ModelConfig.d_ff=64", "--gin.ModelConfig.max_seq_len=128",
+        "--gin.ModelConfig.dtype='float32'", "--gin.StackingConfig.num_stages=2", "--gin.StackingConfig.block_size=1",
+        "--gin.DataConfig.seq_len=128", "--gin.DataConfig.batch_size=8", "--gin.TrainerConfig.num_steps=6",
+        "--gin.TrainerConfig.eval_every=2", "--gin.TrainerConfig.log_every=2", "--gin.TrainerConfig.eval_batches=1",
+        "--gin.TrainerConfig.peak_flops_per_device=1e11", "--gin.TrainerConfig.progress_bar=False",
+        "--gin.OptimizerConfig.warmup_steps=1", "--gin.StackingStudyConfig.seeds=[0]",
+        "--gin.StackingStudyConfig.k_shot=1", "--gin.StackingStudyConfig.score_examples=4",
+        "--gin.StackingStudyConfig.tasks=['assignment_depth0', 'copying']",
+        # The baseline and GradStack run the same code as the cut baseline and MIDAS: two arms cover it.
+        "--gin.StackingStudyConfig.arms=['baseline_equal_flops', 'midas']"]
+
+
+def test_the_study_trains_every_arm_measures_growth_and_scores_and_resumes(tmp_path, repo_root, capsys):
+  gin_file = os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")
+  argv = ["study", "stacking", f"--gin_file={gin_file}", f"--workdir={tmp_path}"] + TINY
+  assert cli.main(argv) == 0
+  result = json.loads((tmp_path / "study.json").read_text())
+  cells = {c["arm"]: c for c in result["cells"]}
+  cut, midas = cells["baseline_equal_flops"], cells["midas"]
+  # Prop-1 over 6 steps and 2 stages: (2, 4). The cut baseline runs the full-depth steps whose FLOPs
+  # come closest to MIDAS's total.
+  assert midas["steps"] == 6 and cut["steps"] < 6
+  per_step = cut["total_flops"] / cut["steps"]
+  assert abs(cut["total_flops"] - midas["total_flops"]) <= per_step / 2
+  (growth,) = midas["growths"]
+  assert (growth["step"], growth["from_depth"], growth["to_depth"]) == (2, 1, 2)
+  before = next(r["loss"] for r in midas["eval_curve"] if r["step"] == 2)
+  assert growth["loss_before"] == before and growth["loss_after"] != before and growth["next_eval_step"] == 4
+  assert not cut["growths"]
+  for cell in cells.values():
+    assert set(cell["primitives"]) == {"assignment_depth0", "copying"}
+    fc = cell["primitives"]["copying"]["forced_choice"]
+    assert 0 <= fc["ci95"][0] <= fc["value"] <= fc["ci95"][1] <= 1 and fc["chance"] == pytest.approx(1 / 3)
+  assert result["summary"]["comparisons"]["midas"]["minus_baseline_equal_flops_run"]["values"] == [
+      pytest.approx(midas["final_eval_loss"] - cut["final_eval_loss"])]
+  page = (tmp_path / "study.md").read_text()
+  for needle in ("equal FLOPs", "around each growth: midas", "forced_choice", "![loss_vs_flops](study/loss_vs_flops.png)"):
+    assert needle in page
+  for name in ("loss_vs_flops", "scores_vs_loss"):
+    assert (tmp_path / "study" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+  assert "training midas seed 0" in capsys.readouterr().out
+  # A re-run with the same settings trains nothing and writes the same cells.
+  assert cli.main(argv) == 0
+  assert "training" not in capsys.readouterr().out.split("stacking study:")[1].split("#")[0]
+  assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 2
+
+
+def test_bad_study_settings_are_named(tmp_path, repo_root, capsys):
+  gin_file = os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")
+  args = ["study", "stacking", f"--gin_file={gin_file}", f"--workdir={tmp_path}"]
+  assert cli.main(args + ["--gin.StackingStudyConfig.seed=[0]"]) == 2
+  assert "seeds" in capsys.readouterr().err
+  assert cli.main(args + ["--gin.StackingStudyConfig.arms=['baseline_equal_flops']"]) == 2
+  assert "StackingStudyConfig.arms" in capsys.readouterr().err
+  assert cli.main(args + ["--gin.TrainerConfig.eval_every=5"]) == 2  # misses the boundaries 12, 36, 72
+  assert "TrainerConfig.eval_every" in capsys.readouterr().err
+  with pytest.raises(ConfigError, match="StackingStudyConfig.seeds"):
+    stacking_study.StackingStudyConfig(seeds=(0, 0))
+
+
+def _cell(arm, seed, loss, flops, curve=(), growths=(), fc=0.5):
+  scores = {s: {"value": fc, "ci95": [0, 1], "chance": 0.25} for s in stacking_study_page.SCORES}
+  return {"arm": arm, "seed": seed, "steps": 10, "total_flops": flops, "final_eval_loss": loss,
+          "train_seconds": 1.0, "eval_curve": list(curve), "growths": list(growths), "primitives": {"copying": scores}}
+
+
+def test_paired_differences_interpolation_and_resolution_on_hand_made_cells():
+  curve = [{"step": 5, "flops": 50.0, "loss": 3.0}, {"step": 10, "flops": 100.0, "loss": 2.0}]
+  growth = lambda before, after: {"step": 5, "from_depth": 1, "to_depth": 2, "loss_before": before,  # noqa: E731
+                                  "loss_after": after, "loss_next_eval": 2.5}
+  cells = [_cell("baseline", 0, 2.0, 100.0, curve), _cell("baseline", 1, 2.1, 100.0, curve),
+           _cell("midas", 0, 2.3, 75.0, growths=[growth(3.0, 3.4)]),
+           _cell("midas", 1, 2.4, 75.0, growths=[growth(3.1, 3.6)])]
+  study = stacking_study.StackingStudyConfig(seeds=(0, 1), arms=("baseline", "midas"))
+  summary = stacking_study_page.summarize(cells, study)
+  midas = summary["comparisons"]["midas"]
+  assert midas["minus_baseline_equal_steps"]["values"] == [pytest.approx(0.3), pytest.approx(0.3)]
+  assert midas["minus_baseline_equal_steps"]["resolved"]  # identical differences: a zero-width interval
+  assert midas["baseline_at_equal_flops"]["values"] == [pytest.approx(2.5)] * 2  # halfway between 3.0 and 2.0
+  assert midas["minus_baseline_at_equal_flops"]["values"] == [pytest.approx(-0.2), pytest.approx(-0.1)]
+  assert not midas["minus_baseline_at_equal_flops"]["resolved"]  # t(1) = 12.7: two seeds this noisy cannot
+  (g,) = summary["growths"]["midas"]
+  assert g["jump"]["values"] == [pytest.approx(0.4), pytest.approx(0.5)]
+  assert summary["arms"]["baseline"]["final_eval_loss"]["sd"] == pytest.approx(0.0707, abs=1e-4)
+  assert summary["primitives"]["midas"]["copying"]["forced_choice"]["chance"] == 0.25
