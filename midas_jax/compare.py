@@ -3,8 +3,8 @@
 `midas compare` (the default job) and `midas bench stacking` use this: both runs share data, seed,
 steps and schedule, so their losses compare at equal steps, and the FLOP axis compares them at equal
 compute: the table's last line is the baseline's eval loss at the stacked run's total FLOPs,
-interpolated on the baseline's eval curve. Writes comparison.json, comparison.md and loss_vs_flops.png under the workdir, with each
-run's own outputs in <workdir>/<run name>/.
+interpolated on the baseline's eval curve. Writes comparison.json, comparison.md and loss_vs_flops.png
+under the workdir, with each run's own outputs in <workdir>/<run name>/.
 """
 
 from __future__ import annotations

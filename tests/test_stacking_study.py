@@ -46,7 +46,8 @@ def test_the_study_trains_every_arm_measures_growth_and_scores_and_resumes(tmp_p
   assert result["summary"]["comparisons"]["midas"]["minus_baseline_equal_flops_run"]["values"] == [
       pytest.approx(midas["final_eval_loss"] - cut["final_eval_loss"])]
   page = (tmp_path / "study.md").read_text()
-  for needle in ("equal FLOPs", "around each growth: midas", "forced_choice", "![loss_vs_flops](study/loss_vs_flops.png)"):
+  for needle in ("equal FLOPs", "around each growth: midas", "forced_choice",
+                 "![loss_vs_flops](study/loss_vs_flops.png)"):
     assert needle in page
   for name in ("loss_vs_flops", "scores_vs_loss"):
     assert (tmp_path / "study" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"

@@ -153,7 +153,8 @@ def train_cell(run: RunConfig, study: StackingStudyConfig, arm: str, seed: int, 
   start = time.time()
   result = train(config, workdir, operative_config=operative_config)
   trained = time.time() - start
-  evals = [{"step": r["step"], "loss": r["loss"], "flops": r["cumulative_flops"]} for r in read_metrics(workdir, "eval")]
+  evals = [{"step": r["step"], "loss": r["loss"], "flops": r["cumulative_flops"]}
+           for r in read_metrics(workdir, "eval")]
   train_rows = read_metrics(workdir, "train")
   start = time.time()
   growths = _growth_losses(config, workdir, result.growths, evals, data)
@@ -163,8 +164,8 @@ def train_cell(run: RunConfig, study: StackingStudyConfig, arm: str, seed: int, 
   context_len = min(final.config.data.seq_len, final.model_config.max_seq_len)
   scores = likelihood.evaluate(final.params, final.model_config, final.vocab, context_len, options)["tasks"]
   primitives = {name: t["scores"] for name, t in scores.items()}
-  return {"arm": arm, "seed": seed, "steps": config.trainer.num_steps, "total_flops": train_rows[-1]["cumulative_flops"],
-          "final_eval_loss": evals[-1]["loss"], "final_train_loss": result.final_loss, "eval_curve": evals,
+  return {"arm": arm, "seed": seed, "steps": config.trainer.num_steps,
+          "total_flops": train_rows[-1]["cumulative_flops"], "final_eval_loss": evals[-1]["loss"], "final_train_loss": result.final_loss, "eval_curve": evals,
           "growths": growths, "primitives": primitives, "train_seconds": round(result.train_seconds, 1),
           "wall_seconds": round(trained + time.time() - start, 1), "workdir": workdir}
 

@@ -81,7 +81,8 @@ def summarize(cells: Sequence[Dict[str, Any]], study) -> Dict[str, Any]:
       rows = [c["growths"][i] for c in mine.values()]
       growths.append({"step": g["step"], "from_depth": g["from_depth"], "to_depth": g["to_depth"],
                       **{k: spread([r[k] for r in rows]) for k in ("loss_before", "loss_after", "loss_next_eval")},
-                      "jump": paired([r["loss_after"] - r["loss_before"] for r in rows if r["loss_before"] is not None])})
+                      "jump": paired([r["loss_after"] - r["loss_before"] for r in rows
+                                      if r["loss_before"] is not None])})
     out["growths"][arm] = growths
   for arm in arms:
     mine = list(_by(cells, arm).values())
