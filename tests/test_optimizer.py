@@ -307,3 +307,15 @@ def test_wsd_settings_are_checked():
   with pytest.raises(ConfigError, match="OptimizerConfig.decay_fraction") as e:
     learning_rate_schedule(cfg, 100)  # 90 warmup + 20 decay steps overlap
   assert "overlap" in str(e.value)
+
+
+def test_wsd_gin_file_gives_the_default_job_a_warmup_stable_decay_schedule():
+  from midas_jax import gin_config  # pylint: disable=import-outside-toplevel
+  gin_config.parse(["experiments/midas_cpu.gin", "schedules/wsd.gin"], [])
+  config = gin_config.run_config_from_gin()
+  opt, steps = config.optimizer, config.trainer.num_steps
+  assert (opt.decay, opt.decay_fraction, opt.final_lr_fraction, steps, opt.warmup_steps) == ("wsd", 0.2, 0.0, 120, 10)
+  got = lrs(opt, steps, range(steps + 1)) / opt.learning_rate
+  np.testing.assert_allclose(got[:11], np.arange(11) / 10, atol=1e-6)  # warmup
+  np.testing.assert_allclose(got[10:97], 1.0, rtol=1e-6)  # the peak, through every growth (12, 36, 72)
+  np.testing.assert_allclose(got[96:], 1 - np.arange(25) / 24, atol=1e-6)  # the last 20%: 24 steps to 0
