@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import io
 import json
 import os
 import posixpath
@@ -243,6 +244,15 @@ def tree_size(path: PathLike) -> int:
   if not p.is_dir():
     return p.stat().length if p.exists() else 0
   return sum(size(f) for f in glob(join(path, "**", "*")) if isfile(f))
+
+
+def write_figure(path: PathLike, figure: Any, **savefig_kwargs: Any) -> None:
+  """A matplotlib figure saved to any path (rendered in memory, then written whole)."""
+  buffer = io.BytesIO()
+  extension = os.fspath(path).rsplit(".", 1)[-1].lower()
+  figure.savefig(buffer, format=extension if extension in ("png", "pdf", "svg", "jpg") else "png",
+                 **savefig_kwargs)
+  write_bytes(path, buffer.getvalue())
 
 
 def remove(path: PathLike) -> None:

@@ -22,6 +22,7 @@ from midas_jax.console import is_tty as _is_tty, say
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+TIME_PREFIX = "time/"  # the goodput breakdown of train/goodput.py
 _RESERVED = ("step", "split")
 _UNITS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k"))
 
@@ -72,7 +73,13 @@ def format_scalar(name: str, value: Any) -> str:
 
 
 def summary_line(step: int, split: str, scalars: Mapping[str, Any]) -> str:
-  parts = [f"step {step}", split] + [f"{k}={format_scalar(k, v)}" for k, v in scalars.items()]
+  """`step N split k=v ...`; the time/* breakdown is shortened to the productive share, `goodput=`."""
+  shown = {k: v for k, v in scalars.items() if not k.startswith(TIME_PREFIX)}
+  times = [float(v) for k, v in scalars.items() if k.startswith(TIME_PREFIX)]
+  if times and sum(times) > 0:
+    shown["goodput"] = f"{float(scalars.get(TIME_PREFIX + 'step', 0.0)) / sum(times):.0%}"
+  parts = [f"step {step}", split] + [f"{k}={v if isinstance(v, str) else format_scalar(k, v)}"
+                                     for k, v in shown.items()]
   return " ".join(parts)
 
 
