@@ -333,6 +333,24 @@ def local_copy(path: PathLike) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def local_tree(path: PathLike) -> Iterator[str]:
+  """A local directory holding the files under `path`, for readers of local directories only
+  (transformers' from_pretrained); on a local `path` it is `path` itself."""
+  text = check(path, "path")
+  if not is_remote(text):
+    yield text
+    return
+  with tempfile.TemporaryDirectory(prefix="midas_fs_") as tmp:
+    for remote in glob(join(text, "**", "*")):
+      if isfile(remote):
+        local = os.path.join(tmp, *relative(remote, text).split("/"))
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        with open(local, "wb") as f:
+          f.write(read_bytes(remote))
+    yield tmp
+
+
+@contextlib.contextmanager
 def staged_dir(path: PathLike) -> Iterator[str]:
   """A local directory whose contents land in `path` when the block ends without error.
 

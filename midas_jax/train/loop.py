@@ -220,7 +220,7 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
   progress = Progress(trainer.num_steps, initial_step=start_step, enabled=bar_wanted(trainer.progress_bar) and primary)
   profiler = StepProfiler(workdir, trainer.profile_steps, start_step)
   goodput = Goodput()
-  goodput.add("checkpoint", restore_seconds)
+  goodput.add("checkpoint" if start_step else "compile", restore_seconds)  # a fresh start compiles its init
   t_start, eval_seconds = time.time(), 0.0
   last_loss, eval_loss, preempted, done = float("nan"), None, False, start_step
   window = _Window(start_step)
