@@ -23,31 +23,14 @@ from midas_jax import cli, fs
 from midas_jax.checkpoint import available_steps, load_model
 from midas_jax.train.goodput import KEYS
 from midas_jax.train.metrics import read_metrics
+import test_kill_resume as kill_resume
 from test_metrics import read_tb_scalars
 
-GIN = """
-ModelConfig.family = 'llama'
-ModelConfig.d_model = 32
-ModelConfig.num_layers = 4
-ModelConfig.num_heads = 4
-ModelConfig.num_kv_heads = 2
-ModelConfig.d_ff = 64
-ModelConfig.max_seq_len = 64
-ModelConfig.dtype = 'float32'
-DataConfig.seq_len = 32
-DataConfig.batch_size = 8
-OptimizerConfig.learning_rate = 3e-3
-OptimizerConfig.warmup_steps = 2
+# test_kill_resume.py's run, shortened: 12 steps, the growth at step 4.
+GIN = kill_resume.GIN + """
 TrainerConfig.num_steps = 12
-TrainerConfig.log_every = 1
 TrainerConfig.eval_every = 6
-TrainerConfig.eval_batches = 1
-TrainerConfig.progress_bar = False
-TrainerConfig.peak_flops_per_device = 1e11
-StackingConfig.num_stages = 2
 StackingConfig.stage_steps = (4, 8)
-CheckpointConfig.every = 3
-CheckpointConfig.keep = 3
 """
 BOUNDARY, NUM_STEPS = 4, 12
 
