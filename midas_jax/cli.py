@@ -10,6 +10,7 @@
   midas bench stacking --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench train --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]
   midas bench checkpoint --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
+  midas bench preemption --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]   (on N processes: launch/local.py)
   midas bench data --gin_file=F [--gin.KEY=VALUE ...] [--seconds=S] [--train_tokens_per_second=X]
   midas data sample --gin_file=F --steps=N --out=FILE.jsonl
   midas data write-corpus --out=DIR
@@ -94,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
   _add_gin_flags(bench_ckpt)
   bench_ckpt.add_argument("--workdir", required=True, help="where the benchmark's checkpoints are written")
   bench_ckpt.add_argument("--json", default=None, help="also write the results to this JSON file")
+  bench_preempt = bench_sub.add_parser("preemption", help="what the per-step preemption check costs a train "
+                                      "step (run it on several processes with launch/local.py)")
+  _add_gin_flags(bench_preempt)
+  bench_preempt.add_argument("--steps", type=int, default=20, help="train steps per timed block")
+  bench_preempt.add_argument("--repeats", type=int, default=5, help="timed blocks per variant")
+  bench_preempt.add_argument("--json", default=None, help="also write the results to this JSON file")
+  distributed.add_flags(bench_preempt)
   bench_data = bench_sub.add_parser("data", help="input pipeline tokens/s on one core vs t5/TF and training")
   _add_gin_flags(bench_data)
   bench_data.add_argument("--seconds", type=float, default=5.0, help="timed seconds per measurement")
@@ -214,9 +222,18 @@ def _inspect(args, bindings) -> int:
 
 
 def _bench(args, bindings) -> int:
+  if args.bench == "preemption":
+    distributed.initialize(args)  # before anything asks jax for its devices
   from midas_jax.bench import data_bench, train_bench  # pylint: disable=import-outside-toplevel
   config, _ = _load_run_config(args.gin_file, bindings)
-  if args.bench == "stacking":
+  if args.bench == "preemption":
+    from midas_jax.bench import preemption_bench  # pylint: disable=import-outside-toplevel
+    report = preemption_bench.run(config, steps=args.steps, repeats=args.repeats)
+    import jax  # pylint: disable=import-outside-toplevel
+    if jax.process_index() != 0:
+      return 0
+    print(preemption_bench.format_report(report))
+  elif args.bench == "stacking":
     from midas_jax.bench import stacking_bench  # pylint: disable=import-outside-toplevel
     report = stacking_bench.run(config, args.workdir)
     print(stacking_bench.format_report(report))
