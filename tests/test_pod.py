@@ -24,16 +24,16 @@ from midas_jax.train.metrics import read_metrics
 import test_kill_resume as kill_resume
 
 GIN = kill_resume.GIN + """
-TrainerConfig.num_steps = 16
+TrainerConfig.num_steps = 10
 TrainerConfig.log_every = 4
 TrainerConfig.eval_every = 0
-StackingConfig.stage_steps = (4, 12)
+StackingConfig.stage_steps = (4, 6)
 CheckpointConfig.every = 0
 DataConfig.prefetch = 0
 MeshConfig.data = 1
 MeshConfig.fsdp = -1
 """
-BOUNDARY, LOG_EVERY, NUM_STEPS = 4, 4, 16
+BOUNDARY, LOG_EVERY, NUM_STEPS = 4, 4, 10
 
 
 def start_pair(gin_file, workdir, env, *extra):

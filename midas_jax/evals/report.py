@@ -116,7 +116,7 @@ def load_run(name: str, directory: str) -> Dict[str, Any]:
   return {"name": name, "dir": directory, "train": _last_per_step(read_metrics(directory, "train")),
           "eval_loss": _last_per_step(read_metrics(directory, "eval")), "stages": stages,
           "growth_steps": growth_steps, "evals": evals,
-          "time": [r for r in read_metrics(directory) if r.get("split") in ("train", "time")],
+          "time": read_metrics(directory, "train"),
           "pngs": fs.glob(fs.join(directory, "eval", "*.png"))}
 
 

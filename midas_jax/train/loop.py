@@ -226,7 +226,8 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
   window = _Window(start_step)
 
   def checked_window():
-    """The window's metrics on the host, after checking that every step's loss was finite."""
+    """The window's metrics on the host, after checking that every step's loss was finite, and its
+    throughput (timed here, before this step's evaluation or save)."""
     fetched = jax.device_get(window.metrics)
     bad = _first_non_finite([m["loss"] for m in fetched], window.first_step + 1)
     if bad is not None:
@@ -234,11 +235,18 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
           f"the loss became non-finite at step {bad}; training stopped before that state could be "
           "saved. Lower OptimizerConfig.learning_rate, set OptimizerConfig.grad_clip_norm, or "
           "check the data.")
-    return fetched
+    speed = {}
+    if window.start is not None and window.first_step + len(fetched) > window.timed_from:
+      elapsed = time.time() - window.start
+      step_time = elapsed / (window.first_step + len(fetched) - window.timed_from)
+      speed = dict(tokens_per_second=tokens_per_step / step_time, step_seconds=step_time,
+                   mfu=flops_per_step(stage.depth) / step_time / peak, data_wait_fraction=window.data_wait / elapsed)
+    return fetched, speed
 
-  def log(done: int, fetched) -> None:
+  def log(done: int, checked) -> None:
     """Writes the window's train record: the last step's metrics and the window's time breakdown."""
     nonlocal last_loss
+    fetched, speed = checked
     last = fetched[-1]
     last_loss = float(last["loss"])
     scalars = {"loss": last_loss, "grad_norm": float(last["grad_norm"]),
@@ -247,12 +255,7 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
     scalars.update(per_objective_losses(last["objective_loss_sum"], last["objective_weight_sum"]))
     if last["z_loss"]:
       scalars["z_loss"] = float(last["z_loss"])
-    if window.start is not None and done > window.timed_from:
-      elapsed = time.time() - window.start
-      step_time = elapsed / (done - window.timed_from)
-      scalars.update(tokens_per_second=tokens_per_step / step_time, step_seconds=step_time,
-                     mfu=flops_per_step(stage.depth) / step_time / peak,
-                     data_wait_fraction=window.data_wait / elapsed)
+    scalars.update(speed)
     scalars.update(goodput.take())
     record(done, "train", scalars)
     progress.update(done, {"loss": f"{last_loss:.3f}", "depth": stage.depth})
@@ -291,7 +294,7 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
         log_step = done % trainer.log_every == 0 or last_step
         if not (log_step or preempted or checkpointer.due(done)):
           continue
-        fetched = checked_window()  # before anything of this state is saved
+        checked = checked_window()  # before anything of this state is saved
         if trainer.eval_every and (done % trainer.eval_every == 0 or last_step):
           eval_start = time.time()
           with goodput.timing("eval"), stage.experiment.context():
@@ -303,17 +306,17 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
         # At a boundary the grown state is saved instead, at the start of the next iteration.
         if preempted or last_step or done not in controller.schedule.boundaries:
           save(done, force=preempted or last_step)
-        log(done, fetched)
+        if preempted or last_step:
+          with goodput.timing("checkpoint"):
+            checkpointer.wait()  # the last save lands before the last line, which counts the wait
+        log(done, checked)
         window.restart(done)
         if preempted:
           say(f"stopped at step {done} after saving; run the same command to resume")
           break
     if not preempted:
-      save(trainer.num_steps, force=True)  # a no-op unless the last step was a boundary
+      save(trainer.num_steps, force=True)  # a no-op unless the loop had no step left to run
       write_stages(trainer.num_steps)
-    with goodput.timing("checkpoint"):
-      checkpointer.wait()  # the last save lands: its wait is part of the run's time
-    record(done, "time", goodput.take())
   finally:
     profiler.close()
     controller.close()

@@ -16,6 +16,7 @@ from typing import Any, Dict, Sequence, Tuple
 
 import jax
 
+from midas_jax import fs
 from midas_jax.checkpoint import metadata as metadata_lib
 from midas_jax.checkpoint.export import load_model
 from midas_jax.checkpoint.manager import CorruptCheckpointError
@@ -50,7 +51,7 @@ def _initial_state(controller: StageController, init_from: str) -> Tuple[TrainSt
   stage = controller.stage_at(0)
   if not init_from:
     return stage.experiment.init_state(), stage
-  loaded = load_model(init_from)
+  loaded = load_model(fs.check(init_from, "CheckpointConfig.init_from"))
   want = jax.tree.map(lambda a: (a.shape, str(a.dtype)), stage.experiment.layout.abstract.params)
   have = jax.tree.map(lambda a: (a.shape, str(a.dtype)), loaded.params)
   if want != have:
