@@ -55,6 +55,20 @@ def pytest_configure(config):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+@pytest.fixture
+def no_compile_cache(monkeypatch):
+  """For benchmark tests: compiles are timed cold, as `midas bench` times them (it never enables the
+  persistent cache), not served from the session's cache by an earlier test's identical program."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("MIDAS_JAX_CACHE_DIR", "off")  # what cli.enable_compilation_cache reads
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # jax decides once whether the cache is used; ask it again
+  yield
+  jax.config.update("jax_enable_compilation_cache", True)
+  compilation_cache.reset_cache()
+
+
 @pytest.fixture(autouse=True)
 def _clear_gin_bindings():
   """gin bindings are process-global: a test that parses gin files must not configure the next one."""
