@@ -32,10 +32,11 @@ def summarize(name: str, result: loop.TrainResult) -> Dict[str, object]:
   evals = read_metrics(result.workdir, "eval")
   train_rows = read_metrics(result.workdir, "train")
   last_eval = evals[-1] if evals else {}
-  row = {"run": name, "steps": result.steps, "train_seconds": round(result.train_seconds, 1),
+  # Times stay unrounded: the speedup is their ratio, and the table rounds them for display only.
+  row = {"run": name, "steps": result.steps, "train_seconds": result.train_seconds,
          "total_flops": train_rows[-1]["cumulative_flops"] if train_rows else None,
          "final_train_loss": result.final_loss, "final_eval_loss": last_eval.get("loss"),
-         "growth_seconds": round(sum(g["seconds"] for g in result.growths), 2), "workdir": result.workdir}
+         "growth_seconds": sum(g["seconds"] for g in result.growths), "workdir": result.workdir}
   for objective in OBJECTIVES:
     row[f"eval_loss/{objective}"] = last_eval.get(f"loss/{objective}")
   return row

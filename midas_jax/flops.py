@@ -72,6 +72,17 @@ def matmul_params(cfg: ModelConfig, num_layers: Optional[int] = None) -> int:
   return layers * (_attention_matrices(cfg) + _mlp_matrices(cfg)) + cfg.d_model * _vocab(cfg)
 
 
+def layer_applications(cfg: ModelConfig, num_layers: Optional[int] = None) -> int:
+  """Layers a token passes through: the stored depth plus every extra pass of a looped block.
+
+  num_layers overrides the stored depth cfg.num_layers (a growing run's stage depth); the loop
+  (ModelConfig.loop_*) applies its loop_size tied layers loop_repeats times at any depth, so its
+  extra passes count whether or not the depth is overridden.
+  """
+  layers = cfg.num_layers if num_layers is None else num_layers
+  return layers + cfg.loop_size * (cfg.loop_repeats - 1)
+
+
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, num_layers: Optional[int] = None) -> float:
   """Model FLOPs of one training token (forward + backward), the MFU numerator per token.
 
@@ -80,10 +91,10 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, num_layers: Optional[i
   scores (QK^T) and values (AV). That attention term counts the full seq_len x seq_len matrix; a
   kernel that skips the masked half under causal attention does half that work, so MFU read by
   this convention is the customary one, not the work a causal kernel does. Recomputation under
-  remat is not counted (that would be hardware FLOPs, not model FLOPs).
+  remat is not counted (that would be hardware FLOPs, not model FLOPs). num_layers overrides the
+  stored depth, as in layer_applications.
   """
-  # A looped model applies its tied block loop_repeats times: count every application.
-  layers = cfg.num_layers + cfg.loop_size * (cfg.loop_repeats - 1) if num_layers is None else num_layers
+  layers = layer_applications(cfg, num_layers)  # a looped block's repeats cost as much as distinct layers
   attention = 2 * layers * seq_len * cfg.num_heads * cfg.resolved_head_dim
   return 6.0 * (matmul_params(cfg, layers) + attention)
 

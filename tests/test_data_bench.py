@@ -1,12 +1,18 @@
 """`midas bench data`: a short run reports every figure, and the CLI prints the report."""
 
+import importlib.util
 import json
 import os
+import sys
+
+import pytest
 
 from conftest import tiny_run
 from midas_jax import cli
 from midas_jax.bench import data_bench
 from test_cli import DEMO, TINY_BINDINGS
+
+T5_INSTALLED = all(importlib.util.find_spec(p) is not None for p in ("tensorflow", "seqio", "t5"))
 
 
 def _positive(d, keys):
@@ -14,7 +20,7 @@ def _positive(d, keys):
     assert d[k] > 0, (k, d[k])
 
 
-def test_short_run_reports_all_fields():
+def test_short_run_reports_all_fields(no_compile_cache):
   affinity_before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
   r = data_bench.run(tiny_run(), seconds=0.5, train_steps=2)
   if affinity_before is not None:
@@ -29,6 +35,9 @@ def test_short_run_reports_all_fields():
   _positive(r["training"], ("tokens_per_second", "step_seconds"))
   assert r["ratios"]["ours_vs_training"] > 0
   t5 = r["t5"]
+  # Installed (the README's test command installs it), the reference must run: a broken install
+  # raises (test below) rather than reporting "unavailable".
+  assert t5["available"] == T5_INSTALLED, t5.get("reason")
   if t5["available"]:
     _positive(t5, ("tokens_per_second", "examples_per_second", "tokens_per_cpu_second"))
     assert t5["inputs_length"] + t5["targets_length"] <= r["seq_len"]
@@ -36,7 +45,7 @@ def test_short_run_reports_all_fields():
     assert t5["cores_used"] < 1.5
     _positive(r["ratios"], ("ours_vs_tf", "ours_vs_tf_packed", "ours_vs_tf_per_cpu_second"))
   else:
-    assert "ours_vs_tf" not in r["ratios"] and t5["reason"]
+    assert "ours_vs_tf" not in r["ratios"] and "not installed" in t5["reason"]
   text = data_bench.format_report(r)
   assert "ours, mixture" in text and "ours / training" in text and "ours / TF" in text
 
@@ -52,3 +61,15 @@ def test_cli_prints_the_report(capsys, tmp_path):
   report = json.loads(out.read_text())
   assert report["training"]["tokens_per_second"] == 1000.0
   assert report["ratios"]["ours_vs_training"] == report["ours_mixture"]["tokens_per_second"] / 1000.0
+
+
+@pytest.mark.skipif(not T5_INSTALLED, reason="needs an environment that installed the t5 reference")
+def test_a_broken_t5_install_fails_naming_the_package(capsys, monkeypatch):
+  # t5 stays installed, but its preprocessors cannot be imported (None in sys.modules stops an import).
+  monkeypatch.setitem(sys.modules, "t5.data.preprocessors", None)
+  rc = cli.main(["bench", "data", f"--gin_file={DEMO}", "--seconds=0.1", "--train_tokens_per_second=1000",
+                 *TINY_BINDINGS])
+  err = capsys.readouterr().err
+  assert rc == 2, err
+  assert "midas: error: t5: is installed, but `import t5.data.preprocessors` fails" in err
+  assert "pip install --no-deps t5==0.9.4" in err and "Traceback" not in err

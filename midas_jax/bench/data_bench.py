@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import importlib.util
 import os
 import statistics
 import time
@@ -33,6 +35,7 @@ import numpy as np
 
 from midas_jax.configs import DataConfig, RunConfig
 from midas_jax.data.pipeline import Pipeline
+from midas_jax.errors import ConfigError
 
 T5_DENOISER = (3.0, 0.15)  # (mean span length, noise density): t5's span_corruption default
 TARGET_VS_TRAINING = 5.0
@@ -159,21 +162,49 @@ def _gin_unlocked():
   return gin.unlock_config()
 
 
+# The t5 reference: each module it imports and the package that provides it, in import order.
+T5_REFERENCE = (("tensorflow", "tensorflow"), ("seqio", "seqio"), ("t5.data.preprocessors", "t5"))
+T5_INSTALL = "pip install -r requirements/t5-reference.txt && pip install --no-deps t5==0.9.4"
+
+
+def import_t5_reference() -> Optional[str]:
+  """Imports the t5 reference (TF's op pools set to one thread as soon as TF is in, before seqio or
+  t5 can start them); returns None when it imports, else which of its packages are not installed.
+
+  Not installed, the comparison is skipped and the report says why. Installed but failing to
+  import is a broken environment: that raises ConfigError naming the package, so a comparison
+  meant to run never turns silently into "unavailable".
+  """
+  missing = [package for module, package in T5_REFERENCE if importlib.util.find_spec(module.split(".")[0]) is None]
+  if missing:
+    return f"not installed: {', '.join(missing)} ({T5_INSTALL})"
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  for module, package in T5_REFERENCE:
+    try:
+      # t5 registers gin configurables on import, which gin refuses once the CLI has parsed its config.
+      with _gin_unlocked():
+        importlib.import_module(module)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ConfigError(package, f"is installed, but `import {module}` fails ({type(e).__name__}: {e}), so "
+                        "the t5 reference of `midas bench data` cannot run",
+                        f"repair the install ({T5_INSTALL}), or uninstall {package} to skip the comparison") from e
+    if module == "tensorflow":
+      _tf_single_threaded()
+  return None
+
+
 def measure_t5(documents, vocab, seq_len: int, batch_size: int, seed: int, seconds: float,
                warmup_seconds: float) -> Dict[str, object]:
   """t5's span_corruption over the token documents, timed twice: counting the inputs + targets it
   emits (the headline), and through seqio's PrefixLMFeatureConverter(pack=True) into rows, which is
   what a t5 decoder-only user feeds the model and what ours also does."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  try:
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    threads_set = _tf_single_threaded()
-    # t5 registers gin configurables on import, which gin refuses once the CLI has parsed its config.
-    with _gin_unlocked():
-      import seqio  # pylint: disable=import-outside-toplevel
-      from t5.data import preprocessors  # pylint: disable=import-outside-toplevel
-  except ImportError as e:
-    return {"available": False, "reason": f"{type(e).__name__}: {e}"}
+  missing = import_t5_reference()
+  if missing:
+    return {"available": False, "reason": missing}
+  import seqio  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from t5.data import preprocessors  # pylint: disable=import-outside-toplevel
+  threads_set = _tf_single_threaded()  # True if import_t5_reference set the pools to one thread
 
   mean, density = T5_DENOISER
   inputs_length, targets_length = t5_lengths(seq_len, mean, density)
@@ -256,6 +287,7 @@ def run(config: RunConfig, seconds: float = 5.0, train_tokens_per_second: Option
         train_steps: int = 5) -> Dict[str, object]:
   # Imported here: experiment pulls in JAX and the model, which the module's users may not need.
   from midas_jax.train.experiment import build_experiment, load_data  # pylint: disable=import-outside-toplevel
+  import_t5_reference()  # a broken t5 install fails here, before anything is measured
   if train_tokens_per_second is None:
     experiment = build_experiment(config)
     vocab, pipeline = experiment.vocab, experiment.pipeline
