@@ -166,6 +166,26 @@ def test_rows_are_dense_and_follow_the_mixture(store):
   assert pipeline.epoch(10) == pytest.approx(10 * 32 / pipeline.layouts["train"].rows)
 
 
+def test_rows_that_run_out_of_room_make_their_last_examples_causal(tmp_path):
+  """Long documents, then a run of 2-token ones: windows there hold far more document boundaries
+  (each a span example of 4 slots) than the window size planned for."""
+  rng = np.random.default_rng(0)
+  docs = [np.append(rng.integers(3, 259, 299), 1).astype(np.int32) for _ in range(60)]
+  docs += [np.asarray([rng.integers(3, 259), 1], np.int32) for _ in range(300)]
+  writer.write_store(str(tmp_path), {"train": docs, "validation": docs[:5]}, VOCAB,
+                     store_format.source_description(DataConfig()))
+  config = store_config(str(tmp_path), causal_rate=0.0, prefix_rate=0.0, span_rate=1.0, mode_tokens=True)
+  pipeline = PreparedPipeline(config, VOCAB)
+  starts, stream = global_tokens(docs)
+  covered = np.zeros(len(stream), np.int64)
+  for _, obj, tokens, prefix_len, doc, start, length in epoch_examples(pipeline, 0):
+    raw = raw_tokens(obj, tokens, prefix_len, pipeline.special, True)
+    np.testing.assert_array_equal(raw, stream[starts[doc] + start:starts[doc] + start + length])
+    covered[starts[doc] + start:starts[doc] + start + length] += 1
+  assert covered.min() == covered.max() == 1
+  assert 0 < pipeline.counts["demoted_tokens"] < 0.05 * pipeline.counts["tokens"]
+
+
 # --- addressed by step ----------------------------------------------------------------------------
 
 def test_a_step_built_cold_equals_it_built_after_the_steps_before(store):
