@@ -175,6 +175,12 @@ def test_a_prepare_that_died_is_finished_by_running_it_again(tmp_path):
   expected = in_memory(config)
   for split in SPLITS:  # the 50th, 100th, ... document across the files is held out, as in memory
     assert_same_documents(store_documents(store)[split], expected[split])
+  os.remove(os.path.join(store, "manifest.json"))
+  os.rename(os.path.join(store, "..", "text", "c.jsonl"), os.path.join(store, "..", "text", "b2.jsonl"))
+  with pytest.raises(ConfigError, match="the files or --num_shards changed"):  # part 2 would read another file
+    prepare.prepare(config, store, in_process=True)
+  os.rename(os.path.join(store, "..", "text", "b2.jsonl"), os.path.join(store, "..", "text", "c.jsonl"))
+  prepare.prepare(config, store, in_process=True)
   other = text_config(files, store, jsonl_field="body")
   with pytest.raises(ConfigError, match="--out"):
     prepare.prepare(other, store, in_process=True)

@@ -88,7 +88,7 @@ def _vocabulary(config: DataConfig):
 
 def count_part(part: origins.Part, plan: Plan) -> tuple:
   """(part index, its documents), for the holdout numbering; read from its record when finished."""
-  record = writer.finished_part(plan.store, part.index, plan.identity, plan.dtype)
+  record = writer.finished_part(plan.store, part.index, plan.identity, plan.dtype, part.describe())
   if record is not None:
     return part.index, sum(s["documents"] for s in record["shards"].values())
   return part.index, origins.count(part, plan.config)
@@ -97,7 +97,7 @@ def count_part(part: origins.Part, plan: Plan) -> tuple:
 def write_part(part: origins.Part, plan: Plan, counts: Dict[int, int]) -> int:
   """Reads, tokenizes and writes one part, unless a previous prepare finished it; returns the
   number of documents it wrote now."""
-  if writer.finished_part(plan.store, part.index, plan.identity, plan.dtype) is not None:
+  if writer.finished_part(plan.store, part.index, plan.identity, plan.dtype, part.describe()) is not None:
     return 0
   first = sum(n for i, n in counts.items() if i < part.index)
   documents = origins.token_documents(part, plan.config, _vocabulary(plan.config), first)
@@ -108,8 +108,8 @@ def write_part(part: origins.Part, plan: Plan, counts: Dict[int, int]) -> int:
 def finish(plan: Plan) -> Dict[str, object]:
   """The manifest from the part records, once every part has one and both splits have documents."""
   with concurrent.futures.ThreadPoolExecutor(16) as pool:
-    records = list(pool.map(lambda p: writer.finished_part(plan.store, p.index, plan.identity, plan.dtype),
-                            plan.parts))
+    records = list(pool.map(lambda p: writer.finished_part(plan.store, p.index, plan.identity, plan.dtype,
+                                                           p.describe()), plan.parts))
   missing = [p.index for p, r in zip(plan.parts, records) if r is None]
   require(not missing, "--out", f"parts {missing[:8]} of {len(plan.parts)} were not written",
           "run the same command again to finish the prepare")

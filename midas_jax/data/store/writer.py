@@ -125,11 +125,13 @@ def write_part(store: str, part: int, documents: Iterable[Tuple[str, object]], d
   return record
 
 
-def finished_part(store: str, part: int, identity: Mapping[str, str], dtype: np.dtype) -> Optional[Dict[str, object]]:
+def finished_part(store: str, part: int, identity: Mapping[str, str], dtype: np.dtype,
+                  describe: object = None) -> Optional[Dict[str, object]]:
   """The record of a part a previous prepare finished (its shards intact), else None.
 
-  A record written for other settings or another vocabulary is a ConfigError: the folder holds
-  another prepare, and mixing the two would corrupt both.
+  A record written for other settings, another vocabulary or another cut of the source into parts
+  (`describe`, when given) is a ConfigError: the folder holds another prepare, and mixing the two
+  would corrupt both.
   """
   path = store_format.part_record_path(store, part)
   if not fs.exists(path):
@@ -140,6 +142,10 @@ def finished_part(store: str, part: int, identity: Mapping[str, str], dtype: np.
       raise ConfigError("--out", f"{store!r} holds a prepare with another {key.replace('_', ' ')} "
                         f"({record.get(key, '?')[:16]} here, {value[:16]} now)",
                         "use a new --out folder, or delete this one")
+  if describe is not None and record.get("source_part") != describe:
+    raise ConfigError("--out", f"{store!r} holds a prepare whose part {part} read {record.get('source_part')}, "
+                      f"not {describe} (the files or --num_shards changed)",
+                      "run it with the settings it began with, use a new --out folder, or delete this one")
   for shard in record["shards"].values():
     for kind, path in store_format.shard_files(store, shard["name"]).items():
       if not fs.exists(path) or fs.size(path) != store_format.expected_sizes(shard, dtype)[kind]:
