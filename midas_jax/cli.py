@@ -1,6 +1,6 @@
 """The `midas` command line (also `python -m midas_jax`).
 
-  midas train --gin_file=F [--gin_file=F2 ...] [--gin.KEY=VALUE ...] --workdir=DIR
+  midas train --gin_file=F [--gin_file=F2 ...] [--gin.KEY=VALUE ...] --workdir=DIR|gs://BUCKET/DIR [--profile=5:8]
   midas compare --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas inspect --workdir=DIR
   midas eval --workdir=DIR --suite=NAME|a,b|all [...]     midas report --workdir=DIR
@@ -10,6 +10,7 @@
   midas bench stacking --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench train --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]
   midas bench checkpoint --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
+  midas bench preemption --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]   (on N processes: launch/local.py)
   midas bench data --gin_file=F [--gin.KEY=VALUE ...] [--seconds=S] [--train_tokens_per_second=X]
   midas data prepare --gin_file=F [--gin.KEY=VALUE ...] --out=PATH [--runner=R] [--num_workers=N] [-- BEAM_OPTIONS]
   midas data sample --gin_file=F --steps=N --out=FILE.jsonl
@@ -28,7 +29,7 @@ import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from midas_jax import distributed
+from midas_jax import distributed, fs
 from midas_jax.errors import ConfigError, NonFiniteLossError
 
 
@@ -59,7 +60,11 @@ def _parser() -> argparse.ArgumentParser:
   train = sub.add_parser("train", help="train (or resume) a model")
   _add_gin_flags(train)
   train.add_argument("--workdir", required=True,
-                     help="output directory: config, metrics, checkpoints; a workdir with checkpoints resumes")
+                     help="output directory or gs:// URL: config, metrics, checkpoints; a workdir with "
+                          "checkpoints resumes")
+  train.add_argument("--profile", default=None, metavar="START:STOP",
+                     help="write a jax.profiler trace of steps START+1..STOP under WORKDIR/profile "
+                          "(TrainerConfig.profile_steps)")
   train.add_argument("--allow_config_changes", default="",
                      help="comma-separated settings (e.g. optimizer.learning_rate,trainer.num_steps, or a "
                           "section like optimizer.) that may differ from the checkpoint's config on resume; "
@@ -90,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
   _add_gin_flags(bench_ckpt)
   bench_ckpt.add_argument("--workdir", required=True, help="where the benchmark's checkpoints are written")
   bench_ckpt.add_argument("--json", default=None, help="also write the results to this JSON file")
+  bench_preempt = bench_sub.add_parser("preemption", help="what the per-step preemption check costs a train "
+                                      "step (run it on several processes with launch/local.py)")
+  _add_gin_flags(bench_preempt)
+  bench_preempt.add_argument("--steps", type=int, default=20, help="train steps per timed block")
+  bench_preempt.add_argument("--repeats", type=int, default=5, help="timed blocks per variant")
+  bench_preempt.add_argument("--json", default=None, help="also write the results to this JSON file")
+  distributed.add_flags(bench_preempt)
   return parser
 
 
@@ -135,7 +147,19 @@ def enable_compilation_cache() -> None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def profile_binding(text: Optional[str]) -> List[str]:
+  """`--profile=START:STOP` as the gin binding it stands for (checked by TrainerConfig)."""
+  if text is None:
+    return []
+  start, sep, stop = text.partition(":")
+  if not (sep and start.strip().isdigit() and stop.strip().isdigit()):
+    raise ConfigError("--profile", f"{text!r} is not START:STOP", "pass e.g. --profile=5:8 to trace steps 6 to 8")
+  return [f"TrainerConfig.profile_steps=({int(start)}, {int(stop)})"]
+
+
 def _train(args, bindings) -> int:
+  fs.check(args.workdir, "--workdir")  # an unknown scheme fails before anything starts
+  bindings = list(bindings) + profile_binding(args.profile)
   distributed.initialize(args)  # before anything asks jax for its devices
   from midas_jax.train.loop import train  # pylint: disable=import-outside-toplevel
   enable_compilation_cache()
@@ -157,30 +181,38 @@ def _compare(args, bindings) -> int:
   report = compare.compare(config, args.workdir, operative_config=gin_config.operative_config())
   print(report["table"])
   print(f"wall-clock speedup {report['measured_speedup']:.2f}x at {report['flop_ratio']:.2f}x fewer FLOPs; "
-        f"plot: {os.path.join(args.workdir, 'loss_vs_flops.png')}")
+        f"plot: {fs.join(args.workdir, 'loss_vs_flops.png')}")
   return 0
 
 
 def _inspect(args, bindings) -> int:
   del bindings
-  path = os.path.join(args.workdir, "stages.json")
-  if not os.path.isfile(path):
+  workdir = fs.check(args.workdir, "--workdir")
+  path = fs.join(workdir, "stages.json")
+  if not fs.isfile(path):
     raise ConfigError("--workdir", f"no run in {args.workdir} (stages.json is missing)",
                       "pass the --workdir of a `midas train` run")
-  with open(path) as f:
-    report = json.load(f)
-  config_path = os.path.join(args.workdir, "config.json")
-  if os.path.isfile(config_path):
-    with open(config_path) as f:
-      report["config"] = json.load(f)
+  report = fs.read_json(path)
+  config_path = fs.join(workdir, "config.json")
+  if fs.isfile(config_path):
+    report["config"] = fs.read_json(config_path)
   print(json.dumps(report, indent=2))
   return 0
 
 
 def _bench(args, bindings) -> int:
+  if args.bench == "preemption":
+    distributed.initialize(args)  # before anything asks jax for its devices
   from midas_jax.bench import train_bench  # pylint: disable=import-outside-toplevel
   config, _ = _load_run_config(args.gin_file, bindings)
-  if args.bench == "stacking":
+  if args.bench == "preemption":
+    from midas_jax.bench import preemption_bench  # pylint: disable=import-outside-toplevel
+    report = preemption_bench.run(config, steps=args.steps, repeats=args.repeats)
+    import jax  # pylint: disable=import-outside-toplevel
+    if jax.process_index() != 0:
+      return 0
+    print(preemption_bench.format_report(report))
+  elif args.bench == "stacking":
     from midas_jax.bench import stacking_bench  # pylint: disable=import-outside-toplevel
     report = stacking_bench.run(config, args.workdir)
     print(stacking_bench.format_report(report))
@@ -192,8 +224,7 @@ def _bench(args, bindings) -> int:
     report = train_bench.run(config, steps=args.steps, warmup=args.warmup, peak_size=args.peak_size)
     print(train_bench.format_report(report))
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(report, f, indent=2)
+    fs.write_json(args.json, report)
   return 0
 
 

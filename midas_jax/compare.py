@@ -9,12 +9,11 @@ run's own outputs in <workdir>/<run name>/.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Dict, List
 
 import jax
 
+from midas_jax import fs
 from midas_jax.configs import RunConfig, StackingConfig
 from midas_jax.train import loop
 from midas_jax.train.metrics import read_metrics
@@ -86,7 +85,7 @@ def plot_loss_vs_flops(rows: List[Dict[str, object]], growths: List[dict], path:
   ax.set_title("loss against training compute")
   ax.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fs.write_figure(path, fig, dpi=110)
   plt.close(fig)
 
 
@@ -97,7 +96,7 @@ def compare(config: RunConfig, workdir: str, operative_config: str = "",
   rows, growths = [], []
   for name, cfg in run_pair(config).items():
     checkpointer = None if save_checkpoints else loop.NoCheckpointer()
-    result = loop.train(cfg, os.path.join(workdir, name), operative_config=operative_config,
+    result = loop.train(cfg, fs.join(workdir, name), operative_config=operative_config,
                         checkpointer=checkpointer)
     rows.append(summarize(name, result))
     growths = result.growths or growths
@@ -107,10 +106,8 @@ def compare(config: RunConfig, workdir: str, operative_config: str = "",
             "flop_ratio": baseline["total_flops"] / stacked["total_flops"]}
   table = markdown_table(rows)
   if jax.process_index() == 0:  # files come from process 0 only
-    with open(os.path.join(workdir, "comparison.json"), "w") as f:
-      json.dump(report, f, indent=2)
-    with open(os.path.join(workdir, "comparison.md"), "w") as f:
-      f.write(table + "\n")
-    plot_loss_vs_flops(rows, growths, os.path.join(workdir, "loss_vs_flops.png"))
+    fs.write_json(fs.join(workdir, "comparison.json"), report)
+    fs.write_text(fs.join(workdir, "comparison.md"), table + "\n")
+    plot_loss_vs_flops(rows, growths, fs.join(workdir, "loss_vs_flops.png"))
   report["table"] = table
   return report

@@ -344,6 +344,8 @@ class TrainerConfig:
   peak_flops_per_device: None takes a known accelerator's bf16 peak, or on CPU measures a matmul.
   progress_bar: None (the default) draws a bar on stderr only when stderr is a terminal; True
     draws it anyway (into a log file it redraws once a minute), False never.
+  profile_steps: (start, stop) writes a jax.profiler trace of steps start+1 .. stop under
+    <workdir>/profile (`midas train --profile=START:STOP`); None traces nothing.
   """
 
   num_steps: int = 1000
@@ -353,9 +355,14 @@ class TrainerConfig:
   eval_batches: int = 4
   peak_flops_per_device: Optional[float] = None
   progress_bar: Optional[bool] = None
+  profile_steps: Optional[Tuple[int, int]] = None
 
   def __post_init__(self):
     s = "TrainerConfig."
+    if self.profile_steps is not None:
+      ok = len(self.profile_steps) == 2 and 0 <= self.profile_steps[0] < self.profile_steps[1] <= self.num_steps
+      require(ok, s + "profile_steps", f"must be (start, stop) with 0 <= start < stop <= num_steps, got "
+              f"{self.profile_steps}", "trace a few steps after the first compile, e.g. (5, 8)")
     require(self.num_steps > 0, s + "num_steps", "must be > 0", "set the number of training steps")
     require(self.log_every > 0, s + "log_every", "must be > 0", "log every N >= 1 steps")
     require(self.eval_every >= 0, s + "eval_every", "must be >= 0", "0 turns periodic eval off")

@@ -55,6 +55,15 @@ def pytest_configure(config):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+@pytest.fixture(scope="session")
+def gcs():
+  """A GCS emulator for the session (tests/gcs_emulator.py); `gcs.new_bucket()` gives a gs:// URL."""
+  from gcs_emulator import Emulator  # pylint: disable=import-outside-toplevel
+  emulator = Emulator().start()
+  yield emulator
+  emulator.stop()
+
+
 @pytest.fixture(autouse=True)
 def _clear_gin_bindings():
   """gin bindings are process-global: a test that parses gin files must not configure the next one."""

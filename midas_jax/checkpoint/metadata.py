@@ -19,8 +19,8 @@ FORMAT_VERSION = 1
 
 # Settings that do not change what is trained: a resume may change them without an allowance.
 OPERATIONAL = ("mesh.", "trainer.log_every", "trainer.eval_every", "trainer.eval_batches",
-               "trainer.progress_bar", "trainer.peak_flops_per_device", "data.prefetch", "data.read_threads",
-               "checkpoint.")
+               "trainer.progress_bar", "trainer.peak_flops_per_device", "trainer.profile_steps", "data.prefetch",
+               "data.read_threads", "checkpoint.")
 
 _PACKAGES = ("midas_jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
 

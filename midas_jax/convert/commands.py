@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Callable, Dict, List
 
 EXPORT_FORMATS = ("hf", "torch", "npz", "params")
@@ -27,8 +26,8 @@ def _export(args, bindings: List[str]) -> int:
     return 0
   from midas_jax.convert import export  # pylint: disable=import-outside-toplevel
   files = export.export_model(args.workdir, args.out, args.format, args.step)
-  with open(os.path.join(args.out, "midas_jax.json")) as f:
-    provenance = json.load(f)
+  from midas_jax import fs  # pylint: disable=import-outside-toplevel
+  provenance = fs.read_json(fs.join(args.out, "midas_jax.json"))
   print(json.dumps({"format": args.format, "out": args.out, "files": files, "step": provenance["step"],
                     "stage": provenance["stage"], "depth": provenance["depth"]}))
   return 0
@@ -41,7 +40,7 @@ def _import(args, bindings: List[str]) -> int:
   from midas_jax.convert import hf_import  # pylint: disable=import-outside-toplevel
   config, metadata = hf_import.import_hf(args.hf, args.workdir)
   print(json.dumps({"workdir": args.workdir, "family": config.model.family, "depth": metadata["depth"],
-                    "tokenizer": metadata["tokenizer"], "gin": os.path.join(args.workdir, hf_import.GIN_FILE)}))
+                    "tokenizer": metadata["tokenizer"], "gin": hf_import.gin_path(args.workdir)}))
   return 0
 
 

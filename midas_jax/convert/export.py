@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
+from midas_jax import fs
 from midas_jax.configs import ModelConfig, RunConfig
 from midas_jax.convert import hf_config, writers
 from midas_jax.errors import require
@@ -29,11 +30,11 @@ def unroll_loop(params: Mapping, cfg: ModelConfig) -> Tuple[dict, ModelConfig]:
 
 def prepare_out_dir(out_dir: str, flag: str = "--out") -> str:
   """Creates out_dir; refuses a file or a non-empty directory (nothing is ever overwritten)."""
-  out_dir = os.path.abspath(os.path.expanduser(out_dir))
-  require(not os.path.isfile(out_dir), flag, f"{out_dir} is a file", "pass a directory path")
-  require(not (os.path.isdir(out_dir) and os.listdir(out_dir)), flag, f"{out_dir} is not empty",
+  out_dir = fs.absolute(out_dir, flag)
+  require(not fs.isfile(out_dir), flag, f"{out_dir} is a file", "pass a directory path")
+  require(not (fs.isdir(out_dir) and fs.listdir(out_dir)), flag, f"{out_dir} is not empty",
           "choose a new directory: conversion never overwrites files")
-  os.makedirs(out_dir, exist_ok=True)
+  fs.makedirs(out_dir)
   return out_dir
 
 
@@ -50,18 +51,20 @@ def export_params(params: Mapping, model_config: ModelConfig, run_config: RunCon
     hf_config.check_exportable(cfg)
   out_dir = prepare_out_dir(out_dir)
   provenance = dict(provenance or {})
-  provenance.update(depth=cfg.num_layers, exported_format=fmt, unrolled_loop=cfg is not model_config)
+  provenance.update(depth=cfg.num_layers, exported_format=fmt, unrolled_loop=cfg is not model_config,
+                    exported_to=out_dir)
   provenance.setdefault("step", 0)
   provenance.setdefault("stage", 1)
   from midas_jax.checkpoint import metadata as metadata_lib  # pylint: disable=import-outside-toplevel
   provenance["config"] = metadata_lib.config_to_dict(run_config)
   provenance["model_config"] = dataclasses.asdict(cfg)
-  writers.write_provenance(out_dir, provenance)
-  if fmt == "hf":
-    return writers.write_hf(out_dir, params, cfg, run_config, provenance)
-  if fmt == "torch":
-    return writers.write_torch(out_dir, params, cfg, run_config.data, provenance)
-  return writers.write_npz(out_dir, params, cfg, provenance)
+  with fs.staged_dir(out_dir) as local:  # the writers write local files; a gs:// out_dir gets them after
+    writers.write_provenance(local, provenance)
+    if fmt == "hf":
+      return writers.write_hf(local, params, cfg, run_config, provenance)
+    if fmt == "torch":
+      return writers.write_torch(local, params, cfg, run_config.data, provenance)
+    return writers.write_npz(local, params, cfg, provenance)
 
 
 def export_model(path: str, out_dir: str, fmt: str = "hf", step: Optional[int] = None) -> List[str]:
@@ -70,5 +73,5 @@ def export_model(path: str, out_dir: str, fmt: str = "hf", step: Optional[int] =
   require(fmt in writers.FORMATS, "--format", f"unknown format {fmt!r}", f"use one of {writers.FORMATS}")
   loaded = load_model(path, step)
   provenance = {k: v for k, v in loaded.metadata.items() if k not in ("config",)}
-  provenance.update(source=os.path.abspath(path), step=loaded.step, stage=loaded.stage)
+  provenance.update(source=fs.absolute(path, "--workdir"), step=loaded.step, stage=loaded.stage)
   return export_params(loaded.params, loaded.model_config, loaded.config, out_dir, fmt, provenance)

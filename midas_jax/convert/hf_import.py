@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from midas_jax import configs
+from midas_jax import configs, fs
 from midas_jax.convert import hf_config, mapping, writers
 from midas_jax.convert.export import prepare_out_dir
 from midas_jax.data import vocab as vocab_lib
@@ -24,7 +23,11 @@ from midas_jax.errors import ConfigError, require
 
 GIN_FILE = "imported.gin"
 _PROVENANCE_KEYS_NOT_CARRIED = ("config", "model_config", "versions", "format", "depth", "exported_format",
-                                "unrolled_loop", "source")
+                                "unrolled_loop", "source", "exported_to")
+
+
+def gin_path(out_dir: str) -> str:
+  return fs.join(out_dir, GIN_FILE)
 
 
 def _read_safetensors(path: str) -> Dict[str, np.ndarray]:
@@ -92,8 +95,8 @@ def _foreign_data_config(hf_dir: str, out_dir: str, vocab_size: int,
     except ConfigError as e:
       pieces, reason = None, f"its tokenizer.model does not fit ours ({e.problem})"
     if pieces is not None and pieces <= vocab_size:
-      local = os.path.join(out_dir, "tokenizer.model")
-      shutil.copyfile(spm, local)
+      local = fs.join(out_dir, "tokenizer.model")
+      fs.copy(spm, local)
       extra = min(configs.DataConfig.extra_ids, vocab_size - pieces)
       return (configs.DataConfig(vocab="sentencepiece", spm_model=local, extra_ids=extra, seq_len=seq_len),
               f"SentencePiece {local} with {extra} extra ids")
@@ -116,15 +119,14 @@ def write_gin(out_dir: str, config: configs.RunConfig, depth: int) -> str:
   """imported.gin: the model, vocabulary and init_from bindings a new run needs to start from OUT."""
   model = dataclasses.replace(config.model, num_layers=depth)
   lines = [f"# Start a run from the model imported into {out_dir}:",
-           f"#   midas train --gin_file=<experiment>.gin --gin_file={os.path.join(out_dir, GIN_FILE)} --workdir=RUN",
+           f"#   midas train --gin_file=<experiment>.gin --gin_file={gin_path(out_dir)} --workdir=RUN",
            "# The first stage's model must have this shape (a growing run starts at its first stage's depth)."]
   lines += [f"ModelConfig.{f.name} = {_gin_value(getattr(model, f.name))}" for f in dataclasses.fields(model)]
   for name in ("vocab", "spm_model", "extra_ids"):
     lines.append(f"DataConfig.{name} = {_gin_value(getattr(config.data, name))}")
   lines.append(f"CheckpointConfig.init_from = {out_dir!r}")
-  path = os.path.join(out_dir, GIN_FILE)
-  with open(path, "w") as f:
-    f.write("\n".join(lines) + "\n")
+  path = gin_path(out_dir)
+  fs.write_text(path, "\n".join(lines) + "\n")
   return path
 
 
@@ -132,22 +134,28 @@ def import_hf(hf_dir: str, out_dir: str) -> Tuple[configs.RunConfig, Dict[str, A
   """Writes a params-only export of the transformers model in hf_dir to out_dir.
 
   Returns (the RunConfig recorded with it, its metadata). The model's depth is the HF layer count.
+  Either directory may be a gs:// URL.
   """
+  source = fs.absolute(hf_dir, "--hf")
+  require(fs.isdir(source), "--hf", f"{source} is not a directory", "pass a transformers model directory")
+  with fs.local_tree(source) as local:  # transformers and safetensors read local files only
+    return _import_local(local, source, out_dir)
+
+
+def _import_local(hf_dir: str, source: str, out_dir: str) -> Tuple[configs.RunConfig, Dict[str, Any]]:
   from midas_jax.checkpoint import write_params_export  # pylint: disable=import-outside-toplevel
   from midas_jax.checkpoint import metadata as metadata_lib  # pylint: disable=import-outside-toplevel
-  hf_dir = os.path.abspath(os.path.expanduser(hf_dir))
-  require(os.path.isdir(hf_dir), "--hf", f"{hf_dir} is not a directory", "pass a transformers model directory")
   provenance = _read_provenance(hf_dir)
   out_dir = prepare_out_dir(out_dir, "--workdir")
-  metadata: Dict[str, Any] = {"imported_from": hf_dir}
+  metadata: Dict[str, Any] = {"imported_from": source}
   if provenance is not None:  # written by `midas export`: restore the run's settings
     saved = metadata_lib.config_from_dict(provenance["config"])
     at_depth = configs.ModelConfig(**provenance["model_config"]) if "model_config" in provenance else saved.model
     params, model = load_hf(hf_dir, base=at_depth)
     data = saved.data
     if data.vocab == "sentencepiece" and os.path.isfile(os.path.join(hf_dir, "tokenizer.model")):
-      data = dataclasses.replace(data, spm_model=os.path.join(out_dir, "tokenizer.model"))
-      shutil.copyfile(os.path.join(hf_dir, "tokenizer.model"), data.spm_model)
+      data = dataclasses.replace(data, spm_model=fs.join(out_dir, "tokenizer.model"))
+      fs.copy(os.path.join(hf_dir, "tokenizer.model"), data.spm_model)
     metadata.update({k: v for k, v in provenance.items() if k not in _PROVENANCE_KEYS_NOT_CARRIED})
     metadata["tokenizer"] = f"the exporting run's ({data.vocab})"
     if model == at_depth and model.loop_repeats == saved.model.loop_repeats:

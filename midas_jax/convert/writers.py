@@ -110,8 +110,8 @@ def write_hf(out_dir: str, params: Mapping, cfg: ModelConfig, run_config: RunCon
 {_header(provenance, cfg)}
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained("{out_dir}")  # {arch}, float32
-tok = AutoTokenizer.from_pretrained("{out_dir}")
+model = AutoModelForCausalLM.from_pretrained("{provenance.get('exported_to', out_dir)}")  # {arch}, float32
+tok = AutoTokenizer.from_pretrained("{provenance.get('exported_to', out_dir)}")
 ids = tok("The capital of France is", return_tensors="pt").input_ids
 out = model.generate(ids, do_sample=False, max_new_tokens=32)
 print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))

@@ -14,11 +14,11 @@ Everything under params["layers"] carries the leading layers axis of the scanned
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from midas_jax import fs
 from midas_jax.errors import ConfigError, require
 
 
@@ -144,7 +144,7 @@ def plot_heatmaps(matrices: Dict[str, np.ndarray], path: str, title: str, axis_l
     fig.colorbar(im, ax=ax, fraction=0.046)
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fs.write_figure(path, fig, dpi=100)
   plt.close(fig)
 
 
@@ -170,7 +170,7 @@ def run_suite(model, workdir: str, out_dir: str, options: dict) -> dict:
   training.
   """
   del workdir
-  os.makedirs(out_dir, exist_ok=True)
+  fs.makedirs(out_dir)
   block_size = _block_size(model, options)
   depth = model.model_config.num_layers
   require(block_size >= 1 and depth % block_size == 0, "block_size",
@@ -200,9 +200,9 @@ def run_suite(model, workdir: str, out_dir: str, options: dict) -> dict:
     result["last_growth"] = {"block_pairs": [list(p) for p in pairs],
                              "similarity": [round(float(blocks["mean"][i, j]), 4) for i, j in pairs]}
   label = f"step {model.step}, stage {model.stage}, depth {depth}"
-  plot_heatmaps(dict(mean=layers["mean"], **layers["per_matrix"]), os.path.join(out_dir, "similarity_layers.png"),
+  plot_heatmaps(dict(mean=layers["mean"], **layers["per_matrix"]), fs.join(out_dir, "similarity_layers.png"),
                 f"layer weight cosine similarity ({label})", "layer")
-  plot_heatmaps({"mean": blocks["mean"]}, os.path.join(out_dir, "similarity_blocks.png"),
+  plot_heatmaps({"mean": blocks["mean"]}, fs.join(out_dir, "similarity_blocks.png"),
                 f"block weight cosine similarity, {block_size} layers per block ({label}); "
                 "red: last growth's copies", "block", marks=pairs)
   result["plots"] = ["similarity_layers.png", "similarity_blocks.png"]
