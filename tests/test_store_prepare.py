@@ -323,3 +323,26 @@ def test_training_on_a_store_falls_and_resumes_mid_epoch_bitwise(beam_store, tmp
 def _leaves(tree):
   import jax  # pylint: disable=import-outside-toplevel
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_a_store_on_gcs_is_written_finished_and_read_like_a_local_one(gcs, tmp_path):
+  """Text files on gs://, the store on gs://: the same documents and batches as on a local disk."""
+  from midas_jax import fs  # pylint: disable=import-outside-toplevel
+  bucket = gcs.new_bucket()
+  local_files = text_corpus(tmp_path / "text")
+  for name in os.listdir(tmp_path / "text"):
+    fs.copy(str(tmp_path / "text" / name), f"{bucket}/text/{name}")
+  remote = text_config((f"{bucket}/text/*",), f"{bucket}/store")
+  local = text_config(local_files, str(tmp_path / "store"))
+  prepare.prepare(local, local.prepared_dir, in_process=True)
+  prepare.prepare(remote, remote.prepared_dir, in_process=True)
+  fs.remove(f"{bucket}/store/manifest.json")  # died before the manifest, part 1 unfinished
+  fs.remove(f"{bucket}/store/parts/part-00001.json")
+  prepare.prepare(remote, remote.prepared_dir, in_process=True)
+  here, there = PreparedPipeline(local, VOCAB), PreparedPipeline(remote, VOCAB)
+  for step, split in ((0, "train"), (5, "train"), (1, "validation")):
+    a, b = here.batch(step, split), there.batch(step, split)
+    assert all(np.array_equal(a[f], b[f]) for f in a)
+  fs.write_bytes(f"{bucket}/store/train/shard-00002.offsets", b"\0" * 8)
+  with pytest.raises(ConfigError, match="train/shard-00002 is damaged"):
+    PreparedPipeline(remote, VOCAB)
