@@ -12,6 +12,7 @@
   midas bench checkpoint --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench preemption --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]   (on N processes: launch/local.py)
   midas bench data --gin_file=F [--gin.KEY=VALUE ...] [--seconds=S] [--train_tokens_per_second=X]
+  midas data prepare --gin_file=F [--gin.KEY=VALUE ...] --out=PATH [--runner=R] [--num_workers=N] [-- BEAM_OPTIONS]
   midas data sample --gin_file=F --steps=N --out=FILE.jsonl
   midas data write-corpus --out=DIR
   midas data train-spm --files=GLOB [--files=GLOB ...] --vocab_size=N --out=PREFIX
@@ -23,7 +24,6 @@ ends with a one-paragraph message naming the setting and the fix, and exit statu
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
@@ -102,28 +102,6 @@ def _parser() -> argparse.ArgumentParser:
   bench_preempt.add_argument("--repeats", type=int, default=5, help="timed blocks per variant")
   bench_preempt.add_argument("--json", default=None, help="also write the results to this JSON file")
   distributed.add_flags(bench_preempt)
-  bench_data = bench_sub.add_parser("data", help="input pipeline tokens/s on one core vs t5/TF and training")
-  _add_gin_flags(bench_data)
-  bench_data.add_argument("--seconds", type=float, default=5.0, help="timed seconds per measurement")
-  bench_data.add_argument("--train_tokens_per_second", type=float, default=None,
-                          help="training consumption to compare with, instead of timing train steps")
-  bench_data.add_argument("--train_steps", type=int, default=5, help="timed train steps (after 2 warmup)")
-  bench_data.add_argument("--json", default=None, help="also write the results to this JSON file")
-
-  data = sub.add_parser("data", help="data utilities")
-  data_sub = data.add_subparsers(dest="data", required=True)
-  corpus = data_sub.add_parser("write-corpus", help="write the built-in corpus as text files")
-  corpus.add_argument("--out", required=True)
-  corpus.add_argument("--seed", type=int, default=0)
-  sample = data_sub.add_parser("sample", help="write the decoded examples of the first N steps as JSONL")
-  _add_gin_flags(sample)
-  sample.add_argument("--steps", type=int, default=1)
-  sample.add_argument("--split", default="train", choices=("train", "validation"))
-  sample.add_argument("--out", required=True, help="output .jsonl file")
-  spm = data_sub.add_parser("train-spm", help="train a SentencePiece model on local text files")
-  spm.add_argument("--files", action="append", required=True, help="glob; repeatable")
-  spm.add_argument("--vocab_size", type=int, default=8000)
-  spm.add_argument("--out", required=True, help="model prefix: writes PREFIX.model")
   return parser
 
 
@@ -132,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
 # `bench_sub` (`midas bench NAME`, keyed "bench NAME") and imports nothing heavy at module level.
 # A handler is called as handler(args, bindings) and returns the exit status.
 COMMAND_MODULES: Tuple[str, ...] = ("midas_jax.convert.commands", "midas_jax.evals.commands",
-                                     "midas_jax.evals.study_commands", "midas_jax.scale_commands")
+                                     "midas_jax.evals.study_commands", "midas_jax.scale_commands",
+                                     "midas_jax.data.commands")
 
 
 def _parser_and_plugins() -> Tuple[argparse.ArgumentParser, dict]:
@@ -224,7 +203,7 @@ def _inspect(args, bindings) -> int:
 def _bench(args, bindings) -> int:
   if args.bench == "preemption":
     distributed.initialize(args)  # before anything asks jax for its devices
-  from midas_jax.bench import data_bench, train_bench  # pylint: disable=import-outside-toplevel
+  from midas_jax.bench import train_bench  # pylint: disable=import-outside-toplevel
   config, _ = _load_run_config(args.gin_file, bindings)
   if args.bench == "preemption":
     from midas_jax.bench import preemption_bench  # pylint: disable=import-outside-toplevel
@@ -241,10 +220,6 @@ def _bench(args, bindings) -> int:
     from midas_jax.bench import checkpoint_bench  # pylint: disable=import-outside-toplevel
     report = checkpoint_bench.run(config, args.workdir)
     print(checkpoint_bench.format_report(report))
-  elif args.bench == "data":
-    report = data_bench.run(config, seconds=args.seconds, train_tokens_per_second=args.train_tokens_per_second,
-                            train_steps=args.train_steps)
-    print(data_bench.format_report(report))
   else:
     report = train_bench.run(config, steps=args.steps, warmup=args.warmup, peak_size=args.peak_size)
     print(train_bench.format_report(report))
@@ -253,37 +228,7 @@ def _bench(args, bindings) -> int:
   return 0
 
 
-def _data_sample(args, bindings) -> int:
-  from midas_jax.data.samples import sample_records  # pylint: disable=import-outside-toplevel
-  from midas_jax.train.experiment import load_data  # pylint: disable=import-outside-toplevel
-  config, _ = _load_run_config(args.gin_file, bindings)
-  vocab, pipeline = load_data(config)
-  count = 0
-  with open(args.out, "w") as f:
-    for record in sample_records(pipeline, vocab, args.steps, args.split):
-      f.write(json.dumps(record, ensure_ascii=False) + "\n")
-      count += 1
-  print(f"wrote {count} examples from {args.steps} steps to {args.out}")
-  return 0
-
-
-def _data(args, bindings) -> int:
-  if args.data == "sample":
-    return _data_sample(args, bindings)
-  if args.data == "write-corpus":
-    from midas_jax.data import corpus  # pylint: disable=import-outside-toplevel
-    for split, path in corpus.write_text_files(args.out, seed=args.seed).items():
-      print(f"{split}: {path}")
-    return 0
-  from midas_jax.data import vocab  # pylint: disable=import-outside-toplevel
-  files = sorted({f for pattern in args.files for f in glob.glob(pattern)})
-  if not files:
-    raise ConfigError("--files", f"no file matches {args.files}", "pass a glob that matches text files")
-  print(vocab.train_sentencepiece(files, args.out, vocab_size=args.vocab_size))
-  return 0
-
-
-COMMANDS = {"train": _train, "compare": _compare, "inspect": _inspect, "bench": _bench, "data": _data}
+COMMANDS = {"train": _train, "compare": _compare, "inspect": _inspect, "bench": _bench}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

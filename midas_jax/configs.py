@@ -216,7 +216,8 @@ class OptimizerConfig:
     require(self.z_loss >= 0, s + "z_loss", "must be >= 0", "1e-4 is the t5x default; 0 turns it off")
 
 
-SOURCES = ("builtin", "text", "seqio")
+SOURCES = ("builtin", "text", "seqio", "prepared")
+ORIGINS = ("builtin", "text", "seqio", "tfds")  # what `midas data prepare` reads into a store
 VOCABS = ("byte", "sentencepiece")
 
 
@@ -226,8 +227,17 @@ class DataConfig:
 
   source "builtin": the generated corpus (nothing downloaded); "text": local .txt/.jsonl/.gz files
   (train_files, eval_files: glob patterns); "seqio": a registered seqio Task (seqio_task), read
-  once into a local token cache of at most max_documents documents per split.
+  once into a local token cache of at most max_documents documents per split; "prepared": a token
+  store at prepared_dir written by `midas data prepare` (data/store/), read by index, every document
+  once per epoch.
   batch_size is the global number of rows per step.
+
+  What `midas data prepare` reads: prepared_from (with source "prepared"; otherwise the source
+  itself): "builtin", "text" (train_files / eval_files, also .parquet with the text in column
+  jsonl_field), "seqio" (seqio_task) or "tfds" (tfds_name, tfds_data_dir, the splits
+  tfds_train_split / tfds_eval_split, the text in feature tfds_text_feature). A run on a store checks
+  that the store was prepared with its vocabulary, and from these settings when prepared_from is set.
+  read_threads: parallel ranged reads of a store on gs:// (local stores are read in line).
 
   The UL2 mixture: each example is causal LM, prefix LM or span corruption with probabilities
   causal_rate, prefix_rate, span_rate (summing to 1; the MIDAS paper's 0.6 / 0.2 / 0.2). A span
@@ -260,6 +270,14 @@ class DataConfig:
   seqio_eval_split: str = "validation"
   max_documents: int = 100_000
   prefetch: int = 2
+  prepared_dir: Optional[str] = None
+  prepared_from: str = ""
+  tfds_name: Optional[str] = None
+  tfds_data_dir: Optional[str] = None
+  tfds_train_split: str = "train"
+  tfds_eval_split: str = "validation"
+  tfds_text_feature: str = "text"
+  read_threads: int = 16
 
   def __post_init__(self):
     s = "DataConfig."
@@ -285,8 +303,10 @@ class DataConfig:
     require(self.vocab != "sentencepiece" or bool(self.spm_model), s + "spm_model",
             "vocab='sentencepiece' needs a model file",
             "set DataConfig.spm_model, or train one with `midas data train-spm`")
-    require(self.source != "text" or len(self.train_files) > 0, s + "train_files",
-            "source='text' needs training files", "set DataConfig.train_files = ['path/*.txt']")
+    require(self.origin != "text" or len(self.train_files) > 0, s + "train_files",
+            f"{'prepared_from' if self.source == 'prepared' else 'source'}='text' needs training files",
+            "set DataConfig.train_files = ['path/*.txt']")
+    self._check_prepared()
     require(self.seq_len >= 8, s + "seq_len", f"must be >= 8, got {self.seq_len}", "typical: 256 to 8192")
     require(self.batch_size > 0, s + "batch_size", "must be > 0", "set a positive global batch size")
     require(self.seed >= 0, s + "seed", f"must be >= 0, got {self.seed}", "use a non-negative integer")
@@ -294,6 +314,27 @@ class DataConfig:
             "128 leaves room for span-corruption sentinels and mode tokens")
     require(2 <= self.min_chunk <= self.seq_len, s + "min_chunk", "must be in [2, seq_len]",
             "16 is the default")
+
+  @property
+  def origin(self) -> str:
+    """The source a store is prepared from: prepared_from with source 'prepared', else the source."""
+    return self.prepared_from if self.source == "prepared" else self.source
+
+  def _check_prepared(self) -> None:
+    s = "DataConfig."
+    require(self.source != "prepared" or bool(self.prepared_dir), s + "prepared_dir",
+            "source='prepared' needs the store's folder",
+            "set DataConfig.prepared_dir to the --out of `midas data prepare` (a local path or gs:// URL)")
+    require(self.prepared_from in ("",) + ORIGINS, s + "prepared_from",
+            f"unknown source {self.prepared_from!r} to prepare from", f"use one of {ORIGINS}")
+    require(self.source == "prepared" or not self.prepared_from, s + "prepared_from",
+            f"set with source={self.source!r}", "set DataConfig.source = 'prepared', or leave prepared_from ''")
+    require(self.origin != "seqio" or bool(self.seqio_task), s + "seqio_task",
+            "preparing from seqio needs a task name", "set DataConfig.seqio_task to a registered seqio Task")
+    require(self.origin != "tfds" or bool(self.tfds_name), s + "tfds_name",
+            "preparing from TFDS needs a data set name", "set DataConfig.tfds_name, e.g. 'c4/en:3.0.1'")
+    require(self.read_threads >= 1, s + "read_threads", f"must be >= 1, got {self.read_threads}",
+            "16 suits a store on gs://")
 
 
 @dataclasses.dataclass(frozen=True)

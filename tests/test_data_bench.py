@@ -73,3 +73,21 @@ def test_a_broken_t5_install_fails_naming_the_package(capsys, monkeypatch):
   assert rc == 2, err
   assert "midas: error: t5: is installed, but `import t5.data.preprocessors` fails" in err
   assert "pip install --no-deps t5==0.9.4" in err and "Traceback" not in err
+
+
+def test_a_synthetic_store_reports_its_memory_and_one_pod_hosts_consumption(capsys, tmp_path):
+  out = tmp_path / "store.json"
+  rc = cli.main(["bench", "data", "--gin_file=gin/experiments/paper_1b_baseline.gin", "--gin.DataConfig.vocab='byte'",
+                 "--synthetic_documents=3000", f"--synthetic_dir={tmp_path / 'store'}", "--consumption=v5p-128",
+                 "--seconds=0.3", f"--json={out}"])
+  assert rc == 0
+  text = capsys.readouterr().out
+  assert "peak RSS" in text and "one host of v5p-128" in text and "ours / training" in text
+  r = json.loads(out.read_text())
+  assert r["num_documents"] == 3000 and r["rows_per_host"] == 256 // 16
+  assert 0 < r["rss_growth_bytes"] < r["peak_rss_bytes"] and r["ours_mixture"]["packing_efficiency"] > 0.95
+  c = r["training"]
+  assert (c["chips"], c["hosts"], c["peak_flops_per_chip"]) == (64, 16, 459e12)
+  # paper_1b: 256 x 2048 tokens per step at 40% of 64 chips' peak, shared by 16 hosts.
+  step = c["train_flops_per_token"] * 256 * 2048 / (64 * 459e12 * 0.4)
+  assert c["tokens_per_second"] == 256 * 2048 / step / 16 and 80_000 < c["tokens_per_second"] < 120_000

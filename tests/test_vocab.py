@@ -143,3 +143,18 @@ def test_make_vocabulary(tmp_path, spm_model):
   with pytest.raises(ConfigError) as e:
     make_vocabulary(DataConfig(vocab="sentencepiece", spm_model=str(junk)))
   assert e.value.setting == "DataConfig.spm_model"
+
+
+def test_fingerprints_name_what_defines_the_ids(tmp_path, spm_model):
+  """Stable across instances and paths; different for another kind, size, extra ids or model."""
+  assert ByteVocabulary(128).fingerprint == ByteVocabulary(128).fingerprint != ByteVocabulary(100).fingerprint
+  spm = SentencePieceVocabulary(spm_model)
+  moved = tmp_path / "elsewhere.model"
+  moved.write_bytes(open(spm_model, "rb").read())
+  assert SentencePieceVocabulary(str(moved)).fingerprint == spm.fingerprint
+  assert SentencePieceVocabulary(spm_model, extra_ids=64).fingerprint != spm.fingerprint
+  (tmp_path / "t.txt").write_text("\n".join(d.text[::-1] for d in corpus.documents("validation")[:300]))
+  other = train_sentencepiece([str(tmp_path / "t.txt")], str(tmp_path / "other"), vocab_size=400,
+                              hard_vocab_limit=False)
+  assert SentencePieceVocabulary(other).fingerprint != spm.fingerprint
+  assert spm.fingerprint != ByteVocabulary(128).fingerprint

@@ -10,6 +10,9 @@ Three figures on the run config's documents (the built-in corpus by default):
               again followed by seqio's PrefixLMFeatureConverter(pack=True), as ours ends in rows;
   training    the tokens per second a few train steps of the config consume (all cores), or a
               figure given with --train_tokens_per_second.
+On a prepared store (DataConfig.source = 'prepared', or --synthetic_documents=N) store_bench.py
+measures instead: there is no in-memory corpus for t5 to read. --consumption=v5p-128 compares with
+what one host of that TPU slice consumes at --mfu (store_bench.host_consumption).
 "ours" and "t5" are measured on ONE core: every thread of the process is pinned to a single CPU
 (sched_setaffinity on each task in /proc/self/task, restored afterwards; threads started meanwhile
 inherit the pin), and TF also gets intra/inter-op and tf.data thread pools of 1.
@@ -106,12 +109,13 @@ def span_only(data: DataConfig) -> DataConfig:
                              span_denoisers=(T5_DENOISER,), mode_tokens=False)
 
 
-def measure_ours(pipeline: Pipeline, seconds: float, warmup_seconds: float) -> Dict[str, float]:
+def measure_ours(pipeline: Pipeline, seconds: float, warmup_seconds: float, process_count: int = 1) -> Dict[str, float]:
+  """Process 0's rows of consecutive steps, as one of process_count hosts builds them."""
   step = iter(range(1 << 62))
-  shape = (pipeline.config.batch_size, pipeline.config.seq_len)
+  shape = (pipeline.config.batch_size // process_count, pipeline.config.seq_len)
 
   def produce():
-    batch = pipeline.batch(next(step))
+    batch = pipeline.batch(next(step), "train", 0, process_count)
     return shape[0], shape[0] * shape[1], int(np.count_nonzero(batch["segment_ids"]))
 
   m = _timed(produce, seconds, warmup_seconds)
@@ -284,17 +288,32 @@ def measure_training(experiment, steps: int = 5, warmup: int = 2) -> Dict[str, f
 # ----------------------------------------------------------------------------- run
 
 def run(config: RunConfig, seconds: float = 5.0, train_tokens_per_second: Optional[float] = None,
-        train_steps: int = 5) -> Dict[str, object]:
+        train_steps: int = 5, consumption: Optional[str] = None, mfu: float = 0.4,
+        synthetic_documents: Optional[int] = None, synthetic_dir: Optional[str] = None,
+        synthetic_mean_length: float = 64.0) -> Dict[str, object]:
+  """consumption: a TPU slice (e.g. v5p-128) whose per-host consumption at `mfu` ours is compared
+  with; synthetic_documents: bench a synthetic store of that many documents (in synthetic_dir)."""
+  from midas_jax.bench import store_bench  # pylint: disable=import-outside-toplevel
+  training = None
+  if train_tokens_per_second is not None:
+    training = {"tokens_per_second": float(train_tokens_per_second), "source": "given"}
+  elif consumption:
+    training = store_bench.host_consumption(config, consumption, mfu)
+  if synthetic_documents:
+    folder = store_bench.write_synthetic_store(config, synthetic_documents, synthetic_dir, synthetic_mean_length)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, source="prepared", prepared_dir=folder,
+                                                                   prepared_from=""))
+  if config.data.source == "prepared":
+    return store_bench.run(config, seconds, training, train_steps)
   # Imported here: experiment pulls in JAX and the model, which the module's users may not need.
   from midas_jax.train.experiment import build_experiment, load_data  # pylint: disable=import-outside-toplevel
   import_t5_reference()  # a broken t5 install fails here, before anything is measured
-  if train_tokens_per_second is None:
+  if training is not None:
+    vocab, pipeline = load_data(config)
+  else:
     experiment = build_experiment(config)
     vocab, pipeline = experiment.vocab, experiment.pipeline
     training = measure_training(experiment, steps=train_steps)  # before the pin: all cores
-  else:
-    vocab, pipeline = load_data(config)
-    training = {"tokens_per_second": float(train_tokens_per_second), "source": "given"}
   documents = pipeline.documents
   span_pipeline = Pipeline(span_only(config.data), documents, vocab.vocab_size)
   warmup_seconds = min(1.0, max(0.1, seconds / 4))
@@ -329,6 +348,10 @@ def run(config: RunConfig, seconds: float = 5.0, train_tokens_per_second: Option
 
 
 def format_report(r: Dict[str, object]) -> str:
+  if "store" in r:
+    from midas_jax.bench import store_bench  # pylint: disable=import-outside-toplevel
+    return store_bench.format_report(r)
+
   def verdict(key):
     value = r["ratios"].get(key)
     if value is None:

@@ -8,9 +8,11 @@ vocabulary (imported lazily: seqio pulls in TensorFlow).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Iterable, List, Sequence
 
+from midas_jax import fs
 from midas_jax.configs import DataConfig
 from midas_jax.errors import ConfigError, require
 
@@ -42,6 +44,19 @@ class _Layout:
     if not 0 <= i < self._extra_ids:
       raise IndexError(f"sentinel {i} out of range: this vocabulary has {self._extra_ids} extra ids")
     return self.vocab_size - 1 - i
+
+  @property
+  def fingerprint(self) -> str:
+    """sha256 of what defines the ids: kind, size, extra ids and (SentencePiece) the model's bytes.
+
+    Stable across machines and paths, so a prepared store can check that it was tokenized by this
+    vocabulary."""
+    h = hashlib.sha256(f"{type(self).__name__}|{self.vocab_size}|{self._extra_ids}|".encode())
+    h.update(self._definition_bytes())
+    return h.hexdigest()
+
+  def _definition_bytes(self) -> bytes:
+    return b""
 
   def _text_ids(self, ids: Iterable[int]) -> List[int]:
     # Specials, sentinels and ids past the vocabulary (a padded model vocab can emit them): no text.
@@ -88,12 +103,12 @@ class SentencePieceVocabulary(_Layout):
   def __init__(self, model_file: str, extra_ids: int = 128):
     import sentencepiece  # no TensorFlow; kept local so the byte path never needs it
     _check_extra_ids(extra_ids)
-    model_file = os.path.expanduser(model_file)
-    require(os.path.isfile(model_file), "DataConfig.spm_model", f"no model file at {model_file!r}",
+    model_file = fs.check(model_file, "DataConfig.spm_model")  # a local path or a gs:// URL
+    require(fs.isfile(model_file), "DataConfig.spm_model", f"no model file at {model_file!r}",
             "fix the path, or train one with midas_jax.data.vocab.train_sentencepiece")
     self._processor = sentencepiece.SentencePieceProcessor()
     try:
-      self._processor.Load(model_file)
+      self._processor.LoadFromSerializedProto(fs.read_bytes(model_file))
     except (OSError, RuntimeError) as e:
       raise ConfigError("DataConfig.spm_model", f"{model_file!r} is not a SentencePiece model ({e})",
                         "point it at the .model file that spm training wrote") from e
@@ -108,6 +123,9 @@ class SentencePieceVocabulary(_Layout):
 
   def encode(self, text: str) -> List[int]:
     return list(self._processor.EncodeAsIds(text))
+
+  def _definition_bytes(self) -> bytes:
+    return self._processor.serialized_model_proto()
 
   def decode(self, ids: Iterable[int]) -> str:
     return self._processor.DecodeIds(self._text_ids(ids))

@@ -251,7 +251,7 @@ def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] 
     last_loss = float(last["loss"])
     scalars = {"loss": last_loss, "grad_norm": float(last["grad_norm"]),
                "learning_rate": float(last["learning_rate"]), "stage": stage.index, "depth": stage.depth,
-               "cumulative_flops": controller.cumulative_flops(done)}
+               "cumulative_flops": controller.cumulative_flops(done), "epoch": pipeline.epoch(done)}
     scalars.update(per_objective_losses(last["objective_loss_sum"], last["objective_weight_sum"]))
     if last["z_loss"]:
       scalars["z_loss"] = float(last["z_loss"])
