@@ -89,7 +89,7 @@ def load_token_documents(config: RunConfig, vocab,
 def load_data(config: RunConfig) -> Tuple[Any, Pipeline]:
   """The vocabulary and the step-addressed pipeline over the configured source."""
   vocab = make_vocabulary(config.data)
-  return vocab, Pipeline(config.data, load_token_documents(config, vocab), vocab.vocab_size)
+  return vocab, Pipeline(config.data, load_token_documents(config, vocab), vocab.vocab_size, vocab)
 
 
 def learning_rate(config: RunConfig) -> optax.Schedule:
