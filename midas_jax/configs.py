@@ -299,6 +299,8 @@ class DataConfig:
     require(self.vocab != "tokenizers" or bool(self.tokenizer), s + "tokenizer",
             "vocab='tokenizers' needs a tokenizer file",
             "set DataConfig.tokenizer to a tokenizer.json or the directory that holds it")
+    require(self.vocab != "byte" or not self.tokenizer, s + "tokenizer",
+            "is set, but the byte vocabulary has no tokenizer files", "set DataConfig.vocab = 'tokenizers', or unset it")
     require(self.source != "text" or len(self.train_files) > 0, s + "train_files",
             "source='text' needs training files", "set DataConfig.train_files = ['path/*.txt']")
     require(self.seq_len >= 8, s + "seq_len", f"must be >= 8, got {self.seq_len}", "typical: 256 to 8192")

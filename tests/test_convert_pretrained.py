@@ -14,7 +14,7 @@ import os
 import numpy as np
 import pytest
 
-from midas_jax import cli, configs, convert
+from midas_jax import cli, configs, convert, gin_config
 from midas_jax.checkpoint import load_model
 from midas_jax.convert import shards
 from midas_jax.data import corpus
@@ -124,6 +124,13 @@ def _check_export(run_dir, out, hf_dir, specials_text):
   return trained
 
 
+TRAIN_BINDINGS = ["DataConfig.seq_len=32", "DataConfig.batch_size=8", "TrainerConfig.num_steps=2",
+                  "TrainerConfig.log_every=2", "TrainerConfig.eval_every=0", "TrainerConfig.progress_bar=False",
+                  "TrainerConfig.peak_flops_per_device=1e11", "CheckpointConfig.every=0",
+                  "CheckpointConfig.async_save=False", "OptimizerConfig.learning_rate=1e-3",
+                  "OptimizerConfig.warmup_steps=1"]
+
+
 def _training(loaded, imported, text_files, **kw) -> configs.RunConfig:
   data = dataclasses.replace(loaded.config.data, source="text", train_files=(text_files["train"],),
                              eval_files=(text_files["validation"],), seq_len=32, batch_size=8)
@@ -164,16 +171,21 @@ def test_llama_with_its_sentencepiece_grows_from_its_depth(llama_dir, text_files
   loaded = _check_import(llama_dir, imported, specials)
   assert (loaded.vocab.unk_id, loaded.vocab.bos_id, loaded.vocab.eos_id) == (0, 1, 2)
   assert loaded.model_config.num_layers == 4 and not loaded.model_config.tie_embeddings
-  # 2 blocks of 2 layers grow to 3 by MIDAS: stage 1 is the imported model at its own depth.
-  grow = configs.StackingConfig(num_stages=2, block_size=2, start_blocks=2, stage_steps=(1, 1))
-  config = _training(loaded, imported, text_files, stacking=grow,
-                     model=dataclasses.replace(loaded.config.model, num_layers=6))
-  result = loop.train(config, str(tmp_path / "run"), devices=[jax_device()])
+  # The recipe of docs/stacking.md (on one device, to compile less): 2 blocks of 2 layers grow to 3 by
+  # MIDAS, stage 1 being the import.
+  gin_config.parse(["data/text_files.gin", f"{imported}/imported.gin"], [
+      f"DataConfig.train_files=['{text_files['train']}']", f"DataConfig.eval_files=['{text_files['validation']}']",
+      "ModelConfig.num_layers=6", "StackingConfig.num_stages=2", "StackingConfig.block_size=2",
+      "StackingConfig.start_blocks=2", "StackingConfig.stage_steps=(1, 1)", *TRAIN_BINDINGS])
+  config = gin_config.run_config_from_gin()
+  assert config.checkpoint.init_from == imported and config.data.vocab == "tokenizers"
+  run = tmp_path / "run"
+  result = loop.train(config, str(run), devices=[jax_device()])
   assert [(g["from_depth"], g["to_depth"], g["provenance"]) for g in result.growths] == [(4, 6, [0, 1, 0, 1, 2, 3])]
   out = str(tmp_path / "hf")
-  _cli(capsys, ["export", f"--workdir={tmp_path / 'run'}", f"--out={out}"])
+  _cli(capsys, ["export", f"--workdir={run}", f"--out={out}"])
   assert transformers.AutoConfig.from_pretrained(out).num_hidden_layers == 6
-  _check_export(str(tmp_path / "run"), out, llama_dir, specials)
+  _check_export(str(run), out, llama_dir, specials)
 
 
 def test_a_tokenizer_model_alone_is_converted_as_transformers_would(llama_dir, llama_spm, tmp_path):

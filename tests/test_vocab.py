@@ -139,7 +139,7 @@ def test_sentencepiece_model_in_another_layout_keeps_its_ids(llama_layout_spm):
   v = SentencePieceVocabulary(llama_layout_spm, extra_ids=104)
   pieces = p.GetPieceSize()
   assert (v.unk_id, v.bos_id, v.eos_id, v.pad_id) == (0, 1, 2, pieces)  # no pad: the first extra id
-  assert not v.seqio_layout and v.base_size == pieces and v.vocab_size == pieces + 104
+  assert not v.seqio_layout and v.base_size == pieces and v.vocab_size == pieces + 104 and v.start_id == 1
   text = "héllo wörld, naïve"  # spm's default normalization turns newlines into spaces
   assert v.encode(text) == p.encode(text) and v.decode(v.encode(text)) == text
   assert v.decode([1, *v.encode(text), 2, v.pad_id, v.extra_id(0), 0]) == text  # bos, eos, pad, sentinel, unk
@@ -172,20 +172,28 @@ def test_tokenizers_vocabulary_takes_roles_from_its_config(tmp_path):
   from midas_jax.data import objectives
   from midas_jax.data.tokenizers_vocab import TokenizersVocabulary
   end = "<|endoftext|>"
-  directory = _bpe_tokenizer(tmp_path, [end, "<pad>"], {"eos_token": end, "bos_token": {"content": end},
+  directory = _bpe_tokenizer(tmp_path, ["<pad>", end], {"eos_token": end, "bos_token": {"content": end},
                                                         "unk_token": None, "pad_token": None})
   v = make_vocabulary(DataConfig(vocab="tokenizers", tokenizer=directory, extra_ids=110))
   assert isinstance(v, TokenizersVocabulary) and v.base_size == 320 and v.vocab_size == 430
-  # The config names no pad, so "<pad>" (id 1) is an ordinary token and a pad is appended.
-  assert (v.eos_id, v.bos_id, v.unk_id, v.pad_id) == (0, 0, None, 320)
+  # The config names no pad, so "<pad>" (id 0) is an ordinary token and a pad is appended.
+  assert (v.eos_id, v.bos_id, v.unk_id, v.pad_id) == (1, 1, None, 320)
   assert v.appended_tokens()[0] == "<midas_pad>"  # "<pad>" is taken
   text = "Hello wörld\n  two  spaces 🙂"
   ids = v.encode(text)
   assert max(ids) < 320 and v.decode(ids) == text
-  assert v.encode(f"a{end}b") == [*v.encode("a"), 0, *v.encode("b")]  # a special token's text is that token
+  assert v.encode(f"a{end}b") == [*v.encode("a"), 1, *v.encode("b")]  # a special token's text is that token
   assert v.decode([v.eos_id, *ids, v.pad_id, v.vocab_size - 1, 10_000]) == text
   assert objectives.vocabulary_special_tokens(v).sentinel_ids[:2] == (429, 428)
   assert v.special_ids()["appended"] == {"320": "<midas_pad>"} and len(v.fingerprint) == 64
+  # Examples start from the tokenizer's BOS, as the model it came with was trained.
+  from midas_jax.data.pipeline import Pipeline, tokenize_documents
+  docs = tokenize_documents([d.text for d in corpus.documents("validation")[:50]], v)
+  data = DataConfig(vocab="tokenizers", tokenizer=directory, extra_ids=110, seq_len=64, batch_size=4)
+  batch = Pipeline(data, {"train": docs, "validation": docs}, v.vocab_size, v).batch(0)
+  starts = (batch["positions"] == 0) & (batch["segment_ids"] > 0)
+  assert v.start_id == v.bos_id == 1 and starts.sum() >= 4 and (batch["inputs"][starts] == 1).all()
+  assert ByteVocabulary().start_id == 0
 
 
 def test_tokenizers_vocabulary_uses_its_own_sentinels_and_usual_names(tmp_path):

@@ -81,7 +81,7 @@ def import_tokenizer(hf_dir: str, out_dir: str) -> Optional[Tuple[Dict[str, str]
           "its own SentencePiece model (tokenizer.model), read by the sentencepiece library")
 
 
-def _name(vocab, token_id) -> str:
+def _name(vocab, token_id) -> Optional[str]:
   """The text of a special id: the tokenizer's own token or the appended one's name."""
   if token_id is None:
     return None

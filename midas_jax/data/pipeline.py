@@ -91,6 +91,7 @@ class Pipeline:
     self.special = (objectives.special_tokens(vocab_size, config.extra_ids, config.num_sentinels) if vocab is None
                     else objectives.vocabulary_special_tokens(vocab, config.num_sentinels))
     self._vocabulary = None if vocab is None else vocab.special_ids()
+    self._bos_id = 0 if vocab is None else vocab.start_id
     self.entries = mixture(config)
     self._cumulative = np.cumsum([e.probability for e in self.entries])
     self._cumulative[-1] = 1.0
@@ -211,7 +212,7 @@ class Pipeline:
     block_src, block_dest, size = (np.concatenate(b) for b in zip(*blocks))
     src = objectives.ranges(block_src, size)
     targets[src + (block_dest - block_src).repeat(size)] = pool.tokens[src]
-    return pack_rows(targets.reshape(len(rows), s), lengths, prefix_lens, kind)
+    return pack_rows(targets.reshape(len(rows), s), lengths, prefix_lens, kind, self._bos_id)
 
   def batch(self, step: int, split: str = "train", process_index: int = 0,
             process_count: int = 1) -> Dict[str, np.ndarray]:

@@ -65,6 +65,12 @@ class Vocabulary:
     return self._base_size + self._extra_ids
 
   @property
+  def start_id(self) -> int:
+    """The token every example's inputs start with (packing's BOS): the tokenizer's BOS, else its
+    EOS (a document boundary, as GPT-2 uses it); seqio's layout starts decoding from pad 0."""
+    return self.bos_id if self.bos_id is not None else self.eos_id
+
+  @property
   def reserved_extra_ids(self) -> int:
     """Extra ids at the bottom taken by a pad or eos the tokenizer lacks (data/objectives.py)."""
     return len(self._appended)
@@ -103,7 +109,8 @@ class Vocabulary:
     """What the ids mean, for config files and checkpoint metadata (sentinels: data/objectives.py)."""
     return {"kind": self.kind, "vocab_size": self.vocab_size, "base_size": self._base_size,
             "extra_ids": self._extra_ids, "pad_id": self.pad_id, "eos_id": self.eos_id, "unk_id": self.unk_id,
-            "bos_id": self.bos_id, "appended": {str(i): n for i, n in sorted(self._appended.items())}}
+            "bos_id": self.bos_id, "start_id": self.start_id,
+            "appended": {str(i): n for i, n in sorted(self._appended.items())}}
 
   def _defining_bytes(self) -> bytes:
     """The bytes of the files that define the vocabulary (none for bytes)."""
@@ -157,6 +164,7 @@ class ByteVocabulary(Vocabulary):
   """UTF-8 bytes: byte b has id b + 3; ids identical to `seqio.ByteVocabulary(extra_ids)`."""
 
   kind = "byte"
+  start_id = PAD_ID
 
   def __init__(self, extra_ids: int = 128):
     check_extra_ids(extra_ids)
@@ -218,6 +226,10 @@ class SentencePieceVocabulary(Vocabulary):
     self._appended = appended_names(ids, self._base_size, self._has_piece)
     self.pad_id, self.eos_id = ids["pad"], ids["eos"]
     self.unk_id, self.bos_id = p.unk_id(), own(p.bos_id())
+
+  @property
+  def start_id(self) -> int:
+    return PAD_ID if self.seqio_layout else super().start_id
 
   def _has_piece(self, name: str) -> bool:
     i = self._processor.PieceToId(name)

@@ -72,7 +72,7 @@ def answer_budget(vocab, example) -> int:
   return len(vocab.encode(example.answer)) + 3
 
 
-def _pick(logits: jax.Array, i, sampling: Sampling) -> jax.Array:
+def _pick(logits: jax.Array, i, sampling: Sampling, seed) -> jax.Array:
   """The next token of every row from its logits [batch, vocab] at generation step i."""
   if sampling.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -80,7 +80,7 @@ def _pick(logits: jax.Array, i, sampling: Sampling) -> jax.Array:
   if sampling.top_k:
     kth = jax.lax.top_k(scaled, sampling.top_k)[0][:, -1:]
     scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-  key = jax.random.fold_in(jax.random.key(sampling.seed), i)
+  key = jax.random.fold_in(jax.random.key(seed), i)
   return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
 
 
@@ -117,13 +117,13 @@ def _running(rows: _Rows, max_new_tokens: int):
 def _cached_fn(cfg: ModelConfig, max_new_tokens: int, sampling: Sampling):
   """The decoder with a key/value cache: one prefill, then one position per token."""
 
-  def decode(params, tokens, lengths, prefix_lengths, budgets, stop_ids):
+  def decode(params, tokens, lengths, prefix_lengths, budgets, stop_ids, seed):
     batch_size, width = tokens.shape
     logits, cache = kv_cache.prefill(params, cfg, tokens, lengths, prefix_lengths)
 
     def body(carry):
       rows, logits, cache = carry
-      nxt = _pick(logits, rows.i, sampling)
+      nxt = _pick(logits, rows.i, sampling, seed)
       rows, at, _ = _emit(rows, nxt, width, budgets, stop_ids)
       # The next step's logits, unless the loop ends here (a finished row's write is never read).
       logits, cache = jax.lax.cond(_running(rows, max_new_tokens),
@@ -142,7 +142,7 @@ def _uncached_fn(cfg: ModelConfig, max_new_tokens: int, sampling: Sampling):
   """The reference: a full forward pass over the whole buffer for every token."""
   model = Decoder(cfg)
 
-  def decode(params, tokens, lengths, prefix_lengths, budgets, stop_ids):
+  def decode(params, tokens, lengths, prefix_lengths, budgets, stop_ids, seed):
     batch_size, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
     zeros = jnp.zeros_like(tokens)
@@ -156,7 +156,7 @@ def _uncached_fn(cfg: ModelConfig, max_new_tokens: int, sampling: Sampling):
                "loss_weights": zeros.astype(jnp.float32), "objective_ids": zeros}
       logits = model.apply({"params": params}, batch)
       last = jnp.take_along_axis(logits, (rows.lengths - 1)[:, None, None], axis=1)[:, 0]
-      nxt = _pick(last, rows.i, sampling)
+      nxt = _pick(last, rows.i, sampling, seed)
       rows, at, room = _emit(rows, nxt, width, budgets, stop_ids)
       tokens = tokens.at[batch_rows, at].set(jnp.where(room, nxt, tokens[batch_rows, at]))
       return rows, tokens
@@ -194,7 +194,9 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], budgets
   if len(prefix_lengths) != len(prompts) or any(not 0 <= n <= len(p) for n, p in zip(prefix_lengths, prompts)):
     raise ValueError("need one prefix length per prompt, each between 0 and the prompt's length")
   make = _cached_fn if cache else _uncached_fn
-  fn = make(cfg, _round_up(max(budgets), BUDGET_BUCKET), sampling)
+  # The seed is an argument of the compiled program, not part of it: other samples compile nothing.
+  fn = make(cfg, _round_up(max(budgets), BUDGET_BUCKET), dataclasses.replace(sampling, seed=0))
+  seed = np.uint32(sampling.seed)
   params = jax.device_put(params)
   stop = np.asarray(sorted(set(stop_ids)), np.int32)
   stop = np.pad(stop, (0, max(8, 1 << len(stop).bit_length()) - len(stop)), constant_values=-1)  # few shapes
@@ -212,7 +214,7 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], budgets
     for r, i in enumerate(chunk):
       tokens[r, :len(prompts[i])] = prompts[i]
       lengths[r], row_budgets[r], row_prefix[r] = len(prompts[i]), budgets[i], prefix_lengths[i]
-    out = np.asarray(fn(params, tokens, lengths, row_prefix, row_budgets, stop))
+    out = np.asarray(fn(params, tokens, lengths, row_prefix, row_budgets, stop, seed))
     for r, i in enumerate(chunk):
       ids = [int(t) for t in out[r] if t >= 0]
       results[i] = (ids, bool(ids) and ids[-1] in stop_ids)
