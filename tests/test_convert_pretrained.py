@@ -225,6 +225,10 @@ def test_qwen2_round_trip_and_bfloat16_export(tmp_path):
   assert np.abs(hf_logits(back, tokens) - ours).max() <= 1e-4
   again, again_cfg = convert.load_hf(str(tmp_path / "out"), base=cfg)
   assert again_cfg == cfg and all(np.array_equal(a, b) for a, b in zip(_leaves(params), _leaves(again)))
+  with pytest.raises(ConfigError, match="387 ids"):  # a byte vocabulary with 128 extra ids needs more rows
+    convert.export_params(params, cfg, dataclasses.replace(run, data=configs.DataConfig(seq_len=32)),
+                          str(tmp_path / "refused"), "hf")
+  assert not (tmp_path / "refused").exists()
   convert.export_params(params, cfg, run, str(tmp_path / "bf16"), "hf", dtype="bfloat16")
   half = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16")).eval()
   assert half.dtype == torch.bfloat16

@@ -54,6 +54,11 @@ def export_params(params: Mapping, model_config: ModelConfig, run_config: RunCon
   params, cfg = unroll_loop(params, model_config)
   if fmt != "npz":
     hf_config.check_exportable(cfg)
+  if fmt == "hf":
+    from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
+    ids = make_vocabulary(run_config.data).vocab_size
+    require(ids <= cfg.vocab_size, "DataConfig", f"the vocabulary has {ids} ids, more than the model's "
+            f"{cfg.vocab_size} embedding rows", "export with the data config the model was trained with")
   out_dir = prepare_out_dir(out_dir)
   provenance = dict(provenance or {})
   provenance.update(depth=cfg.num_layers, exported_format=fmt, unrolled_loop=cfg is not model_config,
