@@ -13,6 +13,7 @@ CORE = [
     "gin-config==0.5.0",
     "numpy==2.4.6",
     "sentencepiece==0.2.2",  # 0.2.3's generated protobuf code needs protobuf >= 7, Beam needs < 7
+    "tokenizers==0.23.3",  # DataConfig.vocab = "tokenizers": any tokenizer.json (the version transformers pins)
     "tensorboardX>=2.6",
     "tqdm>=4.60",
     "matplotlib==3.11.2",

@@ -38,6 +38,7 @@ class ModelConfig:
   loop_start, loop_size, loop_repeats: a looped model: layers [loop_start, loop_start + loop_size)
     share their weights across loop_repeats consecutive applications (1: no looping). Set in training
     for a looped model, or at evaluation to loop a grown model's middle block (model/looping.py).
+  qkv_bias: llama family only: biases on the query, key and value projections (Qwen2's layout).
   """
 
   family: str = "llama"
@@ -62,6 +63,7 @@ class ModelConfig:
   loop_start: int = 0
   loop_size: int = 0
   loop_repeats: int = 1
+  qkv_bias: bool = False
 
   def __post_init__(self):
     s = "ModelConfig."
@@ -86,6 +88,8 @@ class ModelConfig:
             "grouped-query attention needs num_heads to be a multiple of num_kv_heads")
     require(self.family == "llama" or kv == self.num_heads, s + "num_kv_heads",
             "grouped-query attention is a llama-family option", "leave num_kv_heads unset for gpt2")
+    require(self.family == "llama" or not self.qkv_bias, s + "qkv_bias",
+            "gpt2-family models always have biases on every projection", "leave ModelConfig.qkv_bias False for gpt2")
     require(self.family == "llama" or self.tie_embeddings, s + "tie_embeddings",
             "gpt2-family models tie their embeddings", "set ModelConfig.tie_embeddings = True")
     require(self.family != "llama" or self.resolved_head_dim % 2 == 0, s + "head_dim",
@@ -218,7 +222,7 @@ class OptimizerConfig:
 
 SOURCES = ("builtin", "text", "seqio", "prepared")
 ORIGINS = ("builtin", "text", "seqio", "tfds")  # what `midas data prepare` reads into a store
-VOCABS = ("byte", "sentencepiece")
+VOCABS = ("byte", "sentencepiece", "tokenizers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +249,12 @@ class DataConfig:
   default is T5's R-denoiser (3.0, 0.15); gin/objectives/ul2_full.gin sets UL2's R and X set.
   mode_tokens prepends [NLU] (R), [NLG] (X) or [S2S] (prefix LM) to the inputs, as UL2 does.
   Sentinels and mode tokens are the top extra ids of the vocabulary (see data/objectives.py).
+
+  vocab: "byte", "sentencepiece" (spm_model: a .model file of any special-id layout) or "tokenizers"
+  (tokenizer: a tokenizer.json, or a directory holding one with its tokenizer_config.json). A
+  tokenizer's own ids are kept; extra_ids ids are appended above them for the special tokens it
+  lacks (data/vocab.py). tokenizer may also name the transformers tokenizer files of a SentencePiece
+  model (what `midas import` copies), which `midas export` then writes back.
   """
 
   source: str = "builtin"
@@ -253,6 +263,7 @@ class DataConfig:
   jsonl_field: str = "text"
   vocab: str = "byte"
   spm_model: Optional[str] = None
+  tokenizer: Optional[str] = None
   extra_ids: int = 128
   corpus_seed: int = 0
   seq_len: int = 256
@@ -303,6 +314,11 @@ class DataConfig:
     require(self.vocab != "sentencepiece" or bool(self.spm_model), s + "spm_model",
             "vocab='sentencepiece' needs a model file",
             "set DataConfig.spm_model, or train one with `midas data train-spm`")
+    require(self.vocab != "tokenizers" or bool(self.tokenizer), s + "tokenizer",
+            "vocab='tokenizers' needs a tokenizer file",
+            "set DataConfig.tokenizer to a tokenizer.json or the directory that holds it")
+    require(self.vocab != "byte" or not self.tokenizer, s + "tokenizer",
+            "is set, but the byte vocabulary has no tokenizer files", "set DataConfig.vocab = 'tokenizers', or unset it")
     require(self.origin != "text" or len(self.train_files) > 0, s + "train_files",
             f"{'prepared_from' if self.source == 'prepared' else 'source'}='text' needs training files",
             "set DataConfig.train_files = ['path/*.txt']")
@@ -404,8 +420,9 @@ class StackingConfig:
   """Growing depth in stages (MIDAS, GradStack, or a registered operator).
 
   num_stages: k, the number of stages; 1 (the default) trains at full depth throughout: the baseline.
-    Stage i has i blocks, so the last has num_stages * block_size = ModelConfig.num_layers layers.
-  block_size: b, layers per block; None means num_layers // num_stages.
+    Stage i has i blocks (start_blocks + i - 1 in general), so the last has num_stages * block_size =
+    ModelConfig.num_layers layers.
+  block_size: b, layers per block; None means num_layers // (num_stages + start_blocks - 1).
   operator: how a stage is grown from the previous one: "midas" (copy the middle block, ceil(n/2),
     right after itself), "gradstack" (copy the top block onto the top), or any name registered with
     midas_jax.stacking.operators.register_operator (e.g. the examples "fresh_block", "gstack").
@@ -416,6 +433,10 @@ class StackingConfig:
   lr_schedule: "global" (one schedule over all steps, growth does not touch it) or "rewarm" (after
     each growth the learning rate warms up again, linearly over rewarm_steps, to the global value).
   rewarm_steps: the re-warmup length; 0 means OptimizerConfig.warmup_steps.
+  start_blocks: blocks of the first stage (1: growth starts from one block). A run that starts from a
+    model at some depth, e.g. an imported pretrained one (CheckpointConfig.init_from), sets it to that
+    depth / block_size: stage i then has start_blocks + i - 1 blocks, and Prop-alpha gives it steps
+    proportional to that count to the alpha.
   """
 
   num_stages: int = 1
@@ -426,6 +447,7 @@ class StackingConfig:
   new_moments: str = "copy"
   lr_schedule: str = "global"
   rewarm_steps: int = 0
+  start_blocks: int = 1
 
   def __post_init__(self):
     s = "StackingConfig."
@@ -452,9 +474,13 @@ class StackingConfig:
             f"must be an int >= 0, got {self.rewarm_steps!r}", "0 reuses OptimizerConfig.warmup_steps")
     require(isinstance(self.operator, str) and bool(self.operator), s + "operator",
             f"must be an operator name, got {self.operator!r}", "use 'midas' or 'gradstack'")
+    require(isinstance(self.start_blocks, int) and self.start_blocks >= 1, s + "start_blocks",
+            f"must be a positive int, got {self.start_blocks!r}",
+            "use 1 to grow from one block, or the starting model's depth / block_size")
 
   def resolved_block_size(self, num_layers: int) -> int:
-    return self.block_size if self.block_size is not None else num_layers // self.num_stages
+    blocks = self.num_stages + self.start_blocks - 1  # of the last stage, when each stage adds one
+    return self.block_size if self.block_size is not None else num_layers // blocks
 
   def resolved_rewarm_steps(self, warmup_steps: int) -> int:
     return self.rewarm_steps or warmup_steps

@@ -32,17 +32,20 @@ def _mlp_matrices(cfg: ModelConfig) -> int:
 def param_counts(cfg: ModelConfig, num_layers: Optional[int] = None) -> Dict[str, int]:
   """Parameters by part. num_layers overrides cfg.num_layers (depth changes as a model grows).
 
-  llama: RMSNorm scales only, no biases, untied head unless tie_embeddings. gpt2: LayerNorm scale and
-  bias, biases on every projection, learned positions, tied head. non_embedding excludes the token
-  and position tables but keeps an untied head (it is a matmul like any other layer).
+  llama: RMSNorm scales only, no biases (but q, k, v biases with qkv_bias), untied head unless
+  tie_embeddings. gpt2: LayerNorm scale and bias, biases on every projection, learned positions, tied
+  head. non_embedding excludes the token and position tables but keeps an untied head (it is a matmul
+  like any other layer).
   """
   d, vocab = cfg.d_model, _vocab(cfg)
   layers = cfg.num_layers if num_layers is None else num_layers
   gpt2 = cfg.family == "gpt2"
   attention = _attention_matrices(cfg)
   mlp = _mlp_matrices(cfg)
+  if gpt2 or cfg.qkv_bias:
+    attention += (cfg.num_heads + 2 * cfg.kv_heads) * cfg.resolved_head_dim  # q, k, v biases
   if gpt2:
-    attention += (cfg.num_heads + 2 * cfg.kv_heads) * cfg.resolved_head_dim + d  # q, k, v, o biases
+    attention += d  # the output projection's bias
     mlp += cfg.d_ff + d
   norm = 2 * d if gpt2 else d  # LayerNorm has scale and bias; RMSNorm a scale
   counts = {

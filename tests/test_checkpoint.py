@@ -223,3 +223,15 @@ def test_bench_checkpoint_measures_size_and_stall(tmp_path, no_compile_cache):
   assert report["async_stall_steps"] == report["async_stall_seconds"] / report["step_seconds"]
   assert report["async_stall_steps"] < 1.0, report  # the target: an async save stalls training < 1 step
   assert "async stall" in checkpoint_bench.format_report(report)
+
+
+def test_a_setting_added_since_the_save_reads_as_its_default():
+  from midas_jax.checkpoint import metadata as metadata_lib  # pylint: disable=import-outside-toplevel
+  config = configs.RunConfig(model=tiny_model(vocab_size=512), data=configs.DataConfig(seq_len=32))
+  new = metadata_lib.config_to_dict(config)
+  saved = json.loads(json.dumps(new))
+  del saved["model"]["qkv_bias"], saved["stacking"]["start_blocks"]  # as a save from before they existed
+  assert metadata_lib.check_resumable(saved, new) == []
+  saved["model"]["d_ff"] = 128
+  with pytest.raises(ConfigError, match="model.d_ff"):
+    metadata_lib.check_resumable(saved, new)

@@ -41,6 +41,8 @@ def test_llama_gqa_by_hand():
   tied = param_counts(dataclasses.replace(LLAMA, tie_embeddings=True))
   assert tied["head"] == 0 and tied["total"] == total - 256 * 64
   assert tied["non_embedding"] == total - 2 * 256 * 64
+  biased = param_counts(dataclasses.replace(LLAMA, qkv_bias=True))  # Qwen2: biases on q, k and v only
+  assert biased["attention_per_layer"] == attention + 64 + 2 * 32 and biased["mlp_per_layer"] == mlp
 
 
 def test_num_layers_override_and_missing_vocab():

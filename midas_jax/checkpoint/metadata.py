@@ -81,6 +81,8 @@ def check_resumable(saved: Dict[str, Any], new: Dict[str, Any], allowed: Sequenc
   "all" allows everything. Returns the differences that were accepted, for the log.
   """
   accepted, refused = [], []
+  # A setting added since the save was made reads as its default, which is what that run used.
+  saved = config_to_dict(config_from_dict(saved))
   for key, old, value in config_differences(saved, new):
     line = f"{key}: {old!r} -> {value!r}"
     ok = "all" in allowed or any(key == p or (p.endswith(".") and key.startswith(p))

@@ -150,7 +150,9 @@ def place_examples(size: int, tokens: np.ndarray, first, body, n, kind, mode_id,
 class Pipeline:
   """Packed UL2 rows over tokenized documents, addressed by (split, step, row)."""
 
-  def __init__(self, config: DataConfig, documents: Dict[str, List[np.ndarray]], vocab_size: int):
+  def __init__(self, config: DataConfig, documents: Dict[str, List[np.ndarray]], vocab_size: int, vocab=None):
+    """vocab: the vocabulary (data/vocab.py), whose own special tokens are then used and recorded;
+    without it the sentinels and mode tokens are the top extra ids of vocab_size."""
     for split, docs in documents.items():
       require(len(docs) > 0, "DataConfig", f"the {split} split has no documents",
               "check the data source (DataConfig.source / train_files / eval_files)")
@@ -158,7 +160,10 @@ class Pipeline:
             f"{config.seq_len} needs more random draws per row than a row has", "use seq_len < 2,000,000")
     self.config = config
     self.documents = documents
-    self.special = objectives.special_tokens(vocab_size, config.extra_ids, config.num_sentinels)
+    self.special = (objectives.special_tokens(vocab_size, config.extra_ids, config.num_sentinels) if vocab is None
+                    else objectives.vocabulary_special_tokens(vocab, config.num_sentinels))
+    self._vocabulary = None if vocab is None else vocab.special_ids()
+    self._bos_id = 0 if vocab is None else vocab.start_id
     self.entries = mixture(config)
     self._cumulative = np.cumsum([e.probability for e in self.entries])
     self._cumulative[-1] = 1.0
@@ -225,7 +230,7 @@ class Pipeline:
     targets = place_examples(len(rows) * s, pool.tokens, first.ravel(), body.ravel(), n.ravel(), kind.ravel(),
                              mode_id.ravel(), table["num_noise"][at].ravel(), table["num_spans"][at].ravel(),
                              keys, self._sentinel_ids)
-    return pack_rows(targets.reshape(len(rows), s), lengths, prefix_lens, kind)
+    return pack_rows(targets.reshape(len(rows), s), lengths, prefix_lens, kind, self._bos_id)
 
   def batch(self, step: int, split: str = "train", process_index: int = 0,
             process_count: int = 1) -> Dict[str, np.ndarray]:
@@ -265,8 +270,11 @@ class Pipeline:
 
   def describe(self) -> Dict[str, object]:
     """The mixture and the pinned special-token ids, for config files and checkpoint metadata."""
-    return {"objectives": [dict(e.denoiser.to_json(), probability=e.probability) for e in self.entries],
-            "special_tokens": self.special.to_json(), "mode_tokens": self.config.mode_tokens}
+    out = {"objectives": [dict(e.denoiser.to_json(), probability=e.probability) for e in self.entries],
+           "special_tokens": self.special.to_json(), "mode_tokens": self.config.mode_tokens}
+    if self._vocabulary is not None:
+      out["vocabulary"] = self._vocabulary
+    return out
 
 
 class _Pool:

@@ -68,12 +68,13 @@ def similarity(params: Any, block_size: int = 1) -> Dict[str, Any]:
   return {"per_matrix": per, "mean": np.mean(list(per.values()), axis=0)}
 
 
-def last_growth_provenance(operator: str, num_stages: int, block_size: int, stage: int) -> Optional[np.ndarray]:
+def last_growth_provenance(operator: str, num_stages: int, block_size: int, stage: int,
+                           start_blocks: int = 1) -> Optional[np.ndarray]:
   """The provenance map of the growth that made `stage` (None for stage 1): replayed from the operator."""
   from midas_jax.stacking import operators  # pylint: disable=import-outside-toplevel
   if stage <= 1:
     return None
-  depths = operators.stage_depths(operator, num_stages, block_size)
+  depths = operators.stage_depths(operator, num_stages, block_size, start_blocks)
   return operators.provenance_for(operator, depths[stage - 2], block_size)
 
 
@@ -180,7 +181,8 @@ def run_suite(model, workdir: str, out_dir: str, options: dict) -> dict:
   stacking = model.config.stacking
   prov = None
   if stacking.num_stages > 1 and model.stage > 1 and block_size == _block_size(model, {}):
-    prov = last_growth_provenance(stacking.operator, stacking.num_stages, block_size, model.stage)
+    prov = last_growth_provenance(stacking.operator, stacking.num_stages, block_size, model.stage,
+                                  stacking.start_blocks)
   pairs = copied_block_pairs(prov, block_size) if prov is not None and len(prov) == depth else []
   result = {
       "step": model.step, "stage": model.stage, "depth": depth, "block_size": block_size,

@@ -93,7 +93,7 @@ def load_data(config: RunConfig) -> Tuple[Any, Pipeline]:
   vocab = make_vocabulary(config.data)
   if config.data.source == "prepared":
     return vocab, PreparedPipeline(config.data, vocab)
-  return vocab, Pipeline(config.data, load_token_documents(config, vocab), vocab.vocab_size)
+  return vocab, Pipeline(config.data, load_token_documents(config, vocab), vocab.vocab_size, vocab)
 
 
 def learning_rate(config: RunConfig) -> optax.Schedule:

@@ -55,9 +55,14 @@ def _initial_state(controller: StageController, init_from: str) -> Tuple[TrainSt
   want = jax.tree.map(lambda a: (a.shape, str(a.dtype)), stage.experiment.layout.abstract.params)
   have = jax.tree.map(lambda a: (a.shape, str(a.dtype)), loaded.params)
   if want != have:
+    fix = "start from an export of the same model shape, or set ModelConfig to match it"
+    depth, block = loaded.model_config.num_layers, controller.block_size
+    if depth != stage.depth and depth % block == 0:  # e.g. growing an imported model from its own depth
+      fix = (f"to grow the {depth}-layer model, start the stages at its depth: StackingConfig.start_blocks = "
+             f"{depth // block} (blocks of {block} layers)")
     raise ConfigError("CheckpointConfig.init_from", f"the parameters in {init_from} do not fit the first "
                       f"stage's model (depth {stage.depth}): {loaded.model_config} vs {stage.experiment.model_config}",
-                      "start from an export of the same model shape, or set ModelConfig to match it")
+                      fix)
   return stage.experiment.init_state_from_params(loaded.params), stage
 
 

@@ -46,7 +46,8 @@ class PreparedPipeline:
     require(2 * config.seq_len < 1 << streams.ROW_BITS, "DataConfig.seq_len",
             f"{config.seq_len} needs more random draws per row than a row has", "use seq_len < 8,000,000")
     self.config, self.store, self.manifest = config, store, manifest
-    self.special = objectives.special_tokens(vocab.vocab_size, config.extra_ids, config.num_sentinels)
+    self.special = objectives.vocabulary_special_tokens(vocab, config.num_sentinels)
+    self._vocabulary, self._bos_id = vocab.special_ids(), vocab.start_id
     self.entries = mixture(config)
     tables = example_tables(config, self.entries, self.special)
     self._table = {k: v.ravel() for k, v in tables.items()}
@@ -144,7 +145,8 @@ class PreparedPipeline:
       self.counts["demoted_examples"] += int(over.sum())
       self.counts["tokens"] += int(n.sum())
       self.counts["demoted_tokens"] += int(n[over].sum())
-    batch = pack_rows(targets.reshape(len(rows), s), per_row["length"], per_row["prefix"], per_row["kind"])
+    batch = pack_rows(targets.reshape(len(rows), s), per_row["length"], per_row["prefix"], per_row["kind"],
+                      self._bos_id)
     used = per_row["length"] > 0
     sources = {"document": np.where(used, per_row["document"], -1), "start": np.where(used, per_row["start"], -1),
                "length": np.where(used, per_row["raw"], 0)}
@@ -179,6 +181,7 @@ class PreparedPipeline:
     """The mixture, the pinned special-token ids and the store, for config files and checkpoints."""
     return {"objectives": [dict(e.denoiser.to_json(), probability=e.probability) for e in self.entries],
             "special_tokens": self.special.to_json(), "mode_tokens": self.config.mode_tokens,
+            "vocabulary": self._vocabulary,
             "store": {"path": self.store, "vocabulary": self.manifest["vocabulary"],
                       "source": self.manifest["source"],
                       "splits": {k: v.describe() for k, v in self.layouts.items()}}}
