@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Dict
 
 
@@ -33,6 +32,6 @@ def _bench_compile(args, bindings) -> int:
   report = compile_bench.run(config, topology=args.topology, method=args.method, hbm_gib=args.hbm_gib)
   print(compile_bench.format_report(report))
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(report, f, indent=2)
+    from midas_jax import fs  # pylint: disable=import-outside-toplevel
+    fs.write_json(args.json, report)
   return 0

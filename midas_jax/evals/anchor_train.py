@@ -14,7 +14,6 @@ stopped; a cell trained under different settings is never reused.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -24,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
 from jax.sharding import PartitionSpec as P
 
 from midas_jax import fs
@@ -257,8 +255,7 @@ def run_study(cfg: AnchorStudyConfig, workdir: str, log: Callable[[str], None] =
     arm, gamma, depth, seed = key
     cell = train_cell(cfg, gamma, depth, seed, sets, arm=arm)
     done[key] = cell
-    lines = [json.dumps(dict(c, settings=settings)) for c in done.values()]
-    fs.write_text(cells_path, "\n".join(lines) + "\n")  # whole-file atomic write: a kill loses no cell
+    fs.append_text(cells_path, json.dumps(dict(cell, settings=settings)) + "\n")
     log(f"{arm:<9} gamma={gamma:<5} depth={depth} seed={seed}: inferential {cell['inferential']:.2f} "
         f"symmetric {cell['symmetric']:.2f} seen {cell['seen']:.2f} -> {cell['kind']} ({cell['seconds']}s)")
   cells = [done[k] for k in keys]
@@ -327,7 +324,5 @@ def plot_phase_diagram(cfg: AnchorStudyConfig, grid: Sequence[dict], path: str) 
   fig.suptitle(f"anchor-function study ({cfg.family}, d_model {cfg.d_model}, {cfg.steps} steps, "
                f"{len(cfg.seeds)} seed(s); hatched: seen accuracy < {cfg.fit_threshold:g})", fontsize=10)
   fig.tight_layout()
-  buffer = io.BytesIO()
-  fig.savefig(buffer, format="png", dpi=110)
+  fs.write_figure(path, fig, dpi=110)
   plt.close(fig)
-  fs.write_bytes(path, buffer.getvalue())

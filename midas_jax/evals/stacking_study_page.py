@@ -16,7 +16,6 @@ larger than their spread; the page says how many seeds each number averages.
 
 from __future__ import annotations
 
-import io
 import math
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -184,12 +183,10 @@ COLORS = {"baseline": "tab:blue", "baseline_equal_flops": "tab:cyan", "midas": "
 
 def _save(fig, workdir: str, name: str) -> str:
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  buffer = io.BytesIO()
   fig.tight_layout()
-  fig.savefig(buffer, format="png", dpi=100)
-  plt.close(fig)
   fs.makedirs(fs.join(workdir, FIGURES))
-  fs.write_bytes(fs.join(workdir, FIGURES, f"{name}.png"), buffer.getvalue())
+  fs.write_figure(fs.join(workdir, FIGURES, f"{name}.png"), fig, dpi=100)
+  plt.close(fig)
   return f"{FIGURES}/{name}.png"
 
 

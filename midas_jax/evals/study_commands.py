@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 from typing import Dict
 
+from midas_jax import fs
 from midas_jax.errors import ConfigError
 
 

@@ -25,14 +25,14 @@ class ScheduleWarning(UserWarning):
   """A stacking schedule that runs, but likely not as intended."""
 
 
-def warmup_problem(config: RunConfig, stage_steps: Sequence[int]) -> Optional[str]:
+def warmup_problem(config: RunConfig, stage_steps: Sequence[int], first_depth: int) -> Optional[str]:
   """Why the warmup and the first stage clash (None if they do not): the message ScheduleWarning gives."""
   warmup = config.optimizer.warmup_steps
   if warmup <= stage_steps[0]:
     return None
   return (f"OptimizerConfig.warmup_steps={warmup} is longer than the first stage "
           f"({stage_steps[0]} of TrainerConfig.num_steps={config.trainer.num_steps}; stage steps "
-          f"{tuple(stage_steps)}), so the {config.stacking.resolved_block_size(config.model.num_layers)}-layer "
+          f"{tuple(stage_steps)}), so the {first_depth}-layer "
           f"first stage never trains at the peak learning rate (it ends at {stage_steps[0] / warmup:.0%} of it). "
           f"Lower OptimizerConfig.warmup_steps to at most {stage_steps[0]}, or lengthen the first stage "
           "(StackingConfig.stage_steps or alpha).")
@@ -53,8 +53,9 @@ def validate(config: RunConfig) -> RunConfig:
   require(k <= num_steps, s + "num_stages", f"{k} stages but only TrainerConfig.num_steps={num_steps}",
           "use at most num_steps stages (every stage needs a step), or train longer")
   if st.block_size is None:
-    require(layers % k == 0, s + "num_stages",
-            f"ModelConfig.num_layers={layers} is not divisible by num_stages={k}",
+    blocks = k + st.start_blocks - 1
+    require(layers % blocks == 0, s + "num_stages",
+            f"ModelConfig.num_layers={layers} is not divisible by num_stages + start_blocks - 1 = {blocks}",
             "choose num_stages that divides num_layers, or set StackingConfig.block_size")
   else:
     require(layers % st.block_size == 0, s + "block_size",
@@ -62,14 +63,14 @@ def validate(config: RunConfig) -> RunConfig:
             "choose a block size that divides num_layers")
   # Simulated, not k * b: an operator such as gstack need not add one block per stage.
   b = st.resolved_block_size(layers)
-  depths = operators.stage_depths(st.operator, k, b)
+  depths = operators.stage_depths(st.operator, k, b, st.start_blocks)
   require(depths[-1] == layers, s + "num_stages",
-          f"{k} stages of {st.operator!r} growth from one block of {b} layers end at depth {depths[-1]} "
-          f"(stage depths {depths}), not ModelConfig.num_layers={layers}",
-          f"for one block per stage make num_stages * block_size = num_layers "
-          f"(e.g. num_stages={layers // b})")
-  steps = st.stage_steps or schedule.prop_alpha_steps(num_steps, k, st.alpha)
-  problem = warmup_problem(config, steps)
+          f"{k} stages of {st.operator!r} growth from {st.start_blocks} block(s) of {b} layers end at depth "
+          f"{depths[-1]} (stage depths {depths}), not ModelConfig.num_layers={layers}",
+          f"for one block per stage make (num_stages + start_blocks - 1) * block_size = num_layers "
+          f"(e.g. num_stages={layers // b - st.start_blocks + 1})")
+  steps = st.stage_steps or schedule.prop_alpha_steps(num_steps, k, st.alpha, st.start_blocks)
+  problem = warmup_problem(config, steps, depths[0])
   if problem:
     warnings.warn(problem, ScheduleWarning, stacklevel=2)
   if st.lr_schedule == "rewarm":
