@@ -249,11 +249,13 @@ def test_a_warmup_longer_than_the_first_stage_is_warned_about_naming_the_setting
                                       "study_stacking_cpu.gin"])
 def test_the_shipped_cpu_stacking_jobs_warm_up_within_their_first_stage(gin_file):
   from midas_jax import gin_config  # pylint: disable=import-outside-toplevel
-  from midas_jax.evals import stacking_study, study_commands  # pylint: disable=import-outside-toplevel
-  # As `midas study stacking` parses: its own configurable registered beside the run's.
-  parse = study_commands._parse  # pylint: disable=protected-access
-  parse([f"experiments/{gin_file}"], [], stacking_study.StackingStudyConfig, gin_file)
+  from midas_jax.evals import study_commands  # pylint: disable=import-outside-toplevel
+  path = f"experiments/{gin_file}"
   with warnings.catch_warnings():
     warnings.simplefilter("error", checks.ScheduleWarning)
-    config = gin_config.run_config_from_gin()
+    if gin_file.startswith("study_"):  # as `midas study stacking` reads it, with its own configurable
+      config, _, _ = study_commands.stacking_study_from_gin([path], [])
+    else:
+      gin_config.parse([path], [])
+      config = gin_config.run_config_from_gin()
   assert config.stacking.num_stages > 1

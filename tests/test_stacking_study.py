@@ -1,5 +1,6 @@
-"""`midas study stacking` end to end at a tiny size, and the study's statistics on hand-made cells."""
+"""`midas study stacking` end to end at a tiny size, each arm's config, and the study's statistics on hand-made cells."""
 
+import dataclasses
 import json
 import os
 
@@ -18,33 +19,31 @@ TINY = ["--gin.ModelConfig.d_model=32", "--gin.ModelConfig.num_layers=2", "--gin
         "--gin.OptimizerConfig.warmup_steps=1", "--gin.StackingStudyConfig.seeds=[0]",
         "--gin.StackingStudyConfig.k_shot=1", "--gin.StackingStudyConfig.score_examples=4",
         "--gin.StackingStudyConfig.tasks=['assignment_depth0', 'copying']",
-        # The baseline and GradStack run the same code as the cut baseline and MIDAS: two arms cover it.
-        "--gin.StackingStudyConfig.arms=['baseline_equal_flops', 'midas']"]
+        # Every arm trains through the same loop.train; what differs is its config, which
+        # test_every_arm_is_the_run_config_with_its_own_depth_steps_and_seed checks without training.
+        "--gin.StackingStudyConfig.arms=['midas']"]
 
 
-def test_the_study_trains_every_arm_measures_growth_and_scores_and_resumes(tmp_path, repo_root, capsys):
+def test_the_study_trains_a_stacked_arm_measures_growth_and_scores_and_resumes(tmp_path, repo_root, capsys):
   gin_file = os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")
   argv = ["study", "stacking", f"--gin_file={gin_file}", f"--workdir={tmp_path}"] + TINY
   assert cli.main(argv) == 0
   result = json.loads((tmp_path / "study.json").read_text())
-  cells = {c["arm"]: c for c in result["cells"]}
-  cut, midas = cells["baseline_equal_flops"], cells["midas"]
-  # Prop-1 over 6 steps and 2 stages: (2, 4). The cut baseline runs the full-depth steps whose FLOPs
-  # come closest to MIDAS's total.
-  assert midas["steps"] == 6 and cut["steps"] < 6
-  per_step = cut["total_flops"] / cut["steps"]
-  assert abs(cut["total_flops"] - midas["total_flops"]) <= per_step / 2
+  (midas,) = result["cells"]
+  # Prop-1 over 6 steps and 2 stages: (2, 4); the eval at step 2 is the loss just before growth, and
+  # the grown checkpoint's loss on the same batches the loss just after it.
+  assert (midas["arm"], midas["seed"], midas["steps"]) == ("midas", 0, 6)
+  assert [r["step"] for r in midas["eval_curve"]] == [2, 4, 6]
+  assert midas["eval_curve"][-1]["flops"] == midas["total_flops"]
   (growth,) = midas["growths"]
   assert (growth["step"], growth["from_depth"], growth["to_depth"]) == (2, 1, 2)
-  before = next(r["loss"] for r in midas["eval_curve"] if r["step"] == 2)
+  before = midas["eval_curve"][0]["loss"]
   assert growth["loss_before"] == before and growth["loss_after"] != before and growth["next_eval_step"] == 4
-  assert not cut["growths"]
-  for cell in cells.values():
-    assert set(cell["primitives"]) == {"assignment_depth0", "copying"}
-    fc = cell["primitives"]["copying"]["forced_choice"]
-    assert 0 <= fc["ci95"][0] <= fc["value"] <= fc["ci95"][1] <= 1 and fc["chance"] == pytest.approx(1 / 3)
-  assert result["summary"]["comparisons"]["midas"]["minus_baseline_equal_flops_run"]["values"] == [
-      pytest.approx(midas["final_eval_loss"] - cut["final_eval_loss"])]
+  assert set(midas["primitives"]) == {"assignment_depth0", "copying"}
+  fc = midas["primitives"]["copying"]["forced_choice"]
+  assert 0 <= fc["ci95"][0] <= fc["value"] <= fc["ci95"][1] <= 1 and fc["chance"] == pytest.approx(1 / 3)
+  jump = result["summary"]["growths"]["midas"][0]["jump"]
+  assert jump["values"] == [pytest.approx(growth["loss_after"] - before)]
   page = (tmp_path / "study.md").read_text()
   for needle in ("equal FLOPs", "around each growth: midas", "forced_choice",
                  "![loss_vs_flops](study/loss_vs_flops.png)"):
@@ -52,10 +51,41 @@ def test_the_study_trains_every_arm_measures_growth_and_scores_and_resumes(tmp_p
   for name in ("loss_vs_flops", "scores_vs_loss"):
     assert (tmp_path / "study" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
   assert "training midas seed 0" in capsys.readouterr().out
-  # A re-run with the same settings trains nothing and writes the same cells.
+  # A re-run with the same settings trains nothing and writes the same cell.
   assert cli.main(argv) == 0
   assert "training" not in capsys.readouterr().out.split("stacking study:")[1].split("#")[0]
-  assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 2
+  assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 1
+
+
+def test_every_arm_is_the_run_config_with_its_own_depth_steps_and_seed(repo_root):
+  """The default study's four arms, as train_cell trains them: the cut baseline spends MIDAS's FLOPs."""
+  from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
+  from midas_jax.evals.study_commands import stacking_study_from_gin  # pylint: disable=import-outside-toplevel
+  from midas_jax.stacking.schedule import cumulative_flops, schedule_from_config  # pylint: disable=import-outside-toplevel
+  run, study, _ = stacking_study_from_gin([os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")], [])
+  assert study.arms == stacking_study.ARMS and len(study.seeds) >= 2
+  vocab = make_vocabulary(run.data).vocab_size
+  model, data = run.model.with_vocab(vocab), run.data
+
+  def total_flops(config):
+    schedule = schedule_from_config(config.stacking, config.trainer.num_steps, model.num_layers)
+    return cumulative_flops(model, data.seq_len, data.batch_size * data.seq_len, schedule, schedule.num_steps)
+
+  arms = {arm: stacking_study.arm_config(run, arm, 1, vocab) for arm in stacking_study.ARMS}
+  for arm, config in arms.items():
+    assert (config.trainer.seed, config.data.seed) == (1, 1), arm  # one seed: the init and the data order
+    assert config.model == run.model and config.optimizer == run.optimizer, arm
+    assert config.checkpoint.keep == run.stacking.num_stages + 1  # every boundary's checkpoint is kept
+  for arm in ("baseline", "baseline_equal_flops"):
+    assert arms[arm].stacking.num_stages == 1
+  for arm in stacking_study.STACKED:
+    assert arms[arm].stacking == dataclasses.replace(run.stacking, operator=arm)
+    assert arms[arm].trainer.num_steps == arms["baseline"].trainer.num_steps == run.trainer.num_steps
+  cut, stacked = arms["baseline_equal_flops"], total_flops(arms["midas"])
+  assert total_flops(arms["gradstack"]) == stacked
+  per_step = total_flops(arms["baseline"]) / run.trainer.num_steps
+  assert cut.trainer.num_steps < run.trainer.num_steps
+  assert abs(total_flops(cut) - stacked) <= per_step / 2  # the closest whole number of full-depth steps
 
 
 def test_bad_study_settings_are_named(tmp_path, repo_root, capsys):
