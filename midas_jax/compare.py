@@ -22,11 +22,17 @@ from midas_jax.train.metrics import read_metrics
 from midas_jax.train.step import OBJECTIVES
 
 
+def full_depth() -> StackingConfig:
+  """No growth. Every field is passed explicitly: StackingConfig is a gin configurable, so a bare
+  StackingConfig(num_stages=1) would take the stacked job's bound stage_steps and be refused."""
+  return StackingConfig(**{**{f.name: f.default for f in dataclasses.fields(StackingConfig)}, "num_stages": 1})
+
+
 def run_pair(config: RunConfig) -> Dict[str, RunConfig]:
   """{"baseline": full depth throughout, <operator>: the config's stacking}."""
   if config.stacking.num_stages == 1:
     raise ValueError("the config does not grow (StackingConfig.num_stages = 1): nothing to compare")
-  return {"baseline": dataclasses.replace(config, stacking=StackingConfig(num_stages=1)),
+  return {"baseline": dataclasses.replace(config, stacking=full_depth()),
           config.stacking.operator: config}
 
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from midas_jax import cli
+from midas_jax import cli, configs
 from midas_jax.errors import ConfigError
 from midas_jax.evals import stacking_study, stacking_study_page
 
@@ -62,7 +62,9 @@ def test_every_arm_is_the_run_config_with_its_own_depth_steps_and_seed(repo_root
   from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
   from midas_jax.evals.study_commands import stacking_study_from_gin  # pylint: disable=import-outside-toplevel
   from midas_jax.stacking.schedule import cumulative_flops, schedule_from_config  # pylint: disable=import-outside-toplevel
-  run, study, _ = stacking_study_from_gin([os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")], [])
+  # Stage lengths bound in gin (Prop-1's own here) must not reach the baselines' StackingConfig.
+  run, study, _ = stacking_study_from_gin([os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")],
+                                          ["StackingConfig.stage_steps = (12, 24, 36, 48)"])
   assert study.arms == stacking_study.ARMS and len(study.seeds) >= 2
   vocab = make_vocabulary(run.data).vocab_size
   model, data = run.model.with_vocab(vocab), run.data
@@ -77,7 +79,7 @@ def test_every_arm_is_the_run_config_with_its_own_depth_steps_and_seed(repo_root
     assert config.model == run.model and config.optimizer == run.optimizer, arm
     assert config.checkpoint.keep == run.stacking.num_stages + 1  # every boundary's checkpoint is kept
   for arm in ("baseline", "baseline_equal_flops"):
-    assert arms[arm].stacking.num_stages == 1
+    assert arms[arm].stacking == configs.StackingConfig(num_stages=1, block_size=None, stage_steps=None)
   for arm in stacking_study.STACKED:
     assert arms[arm].stacking == dataclasses.replace(run.stacking, operator=arm)
     assert arms[arm].trainer.num_steps == arms["baseline"].trainer.num_steps == run.trainer.num_steps

@@ -30,7 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import jax
 
 from midas_jax import fs
-from midas_jax.configs import CheckpointConfig, RunConfig, StackingConfig
+from midas_jax.compare import full_depth
+from midas_jax.configs import CheckpointConfig, RunConfig
 from midas_jax.errors import require
 from midas_jax.stacking.schedule import cumulative_flops, schedule_from_config
 
@@ -95,7 +96,7 @@ def equal_flops_steps(run: RunConfig, vocab_size: int) -> int:
   data = run.data
   stacked = schedule_from_config(dataclasses.replace(run.stacking, operator="midas"), run.trainer.num_steps,
                                  model.num_layers)
-  full = schedule_from_config(StackingConfig(num_stages=1), run.trainer.num_steps, model.num_layers)
+  full = schedule_from_config(full_depth(), run.trainer.num_steps, model.num_layers)
   tokens = data.batch_size * data.seq_len
   ratio = (cumulative_flops(model, data.seq_len, tokens, stacked, stacked.num_steps)
            / cumulative_flops(model, data.seq_len, tokens, full, full.num_steps))
@@ -105,7 +106,7 @@ def equal_flops_steps(run: RunConfig, vocab_size: int) -> int:
 def arm_config(run: RunConfig, arm: str, seed: int, vocab_size: int) -> RunConfig:
   """The run config of one (arm, seed): checkpoints only at stage boundaries and the end, all kept."""
   trainer = dataclasses.replace(run.trainer, seed=seed)
-  stacking = StackingConfig(num_stages=1)
+  stacking = full_depth()
   if arm == "baseline_equal_flops":
     trainer = dataclasses.replace(trainer, num_steps=equal_flops_steps(run, vocab_size))
   elif arm in STACKED:
