@@ -141,16 +141,27 @@ def _growth_losses(config: RunConfig, workdir: str, growths: List[dict], evals: 
   return out
 
 
+def arm_run(run: RunConfig, arm: str, seed: int):
+  """(the arm's run config, its (vocabulary, pipeline)): the data of the arm's own DataConfig.seed,
+  whose held-out batches are the ones the train loop evaluates on."""
+  from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
+  from midas_jax.train.experiment import load_data  # pylint: disable=import-outside-toplevel
+  config = arm_config(run, arm, seed, make_vocabulary(run.data).vocab_size)
+  return config, load_data(config)
+
+
 def train_cell(run: RunConfig, study: StackingStudyConfig, arm: str, seed: int, workdir: str,
                operative_config: str = "") -> Dict[str, Any]:
-  """Trains one (arm, seed) (resuming a run its workdir holds) and measures it."""
+  """Trains one (arm, seed) (resuming a run its workdir holds) and measures it.
+
+  `final_eval_loss_remeasured` is the final checkpoint's loss measured as the loss after each
+  growth is (held_out_loss); it equals the loop's last eval when both read the same batches.
+  """
   from midas_jax.checkpoint import load_model  # pylint: disable=import-outside-toplevel
   from midas_jax.evals import likelihood  # pylint: disable=import-outside-toplevel
   from midas_jax.train.loop import train  # pylint: disable=import-outside-toplevel
   from midas_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
-  from midas_jax.train.experiment import load_data  # pylint: disable=import-outside-toplevel
-  data = load_data(run)
-  config = arm_config(run, arm, seed, data[0].vocab_size)
+  config, data = arm_run(run, arm, seed)
   start = time.time()
   result = train(config, workdir, operative_config=operative_config)
   trained = time.time() - start
@@ -160,13 +171,15 @@ def train_cell(run: RunConfig, study: StackingStudyConfig, arm: str, seed: int, 
   start = time.time()
   growths = _growth_losses(config, workdir, result.growths, evals, data)
   final = load_model(workdir)
+  remeasured = held_out_loss(config, final.params, final.model_config.num_layers, data)
   options = {"k_shot": study.k_shot, "score_examples": study.score_examples, "seed": 0,
              "tasks": list(study.tasks) if study.tasks else None, "batch_size": study.eval_batch_size}
   context_len = min(final.config.data.seq_len, final.model_config.max_seq_len)
   scores = likelihood.evaluate(final.params, final.model_config, final.vocab, context_len, options)["tasks"]
   primitives = {name: t["scores"] for name, t in scores.items()}
   return {"arm": arm, "seed": seed, "steps": config.trainer.num_steps,
-          "total_flops": train_rows[-1]["cumulative_flops"], "final_eval_loss": evals[-1]["loss"], "final_train_loss": result.final_loss, "eval_curve": evals,
+          "total_flops": train_rows[-1]["cumulative_flops"], "final_eval_loss": evals[-1]["loss"],
+          "final_eval_loss_remeasured": remeasured, "final_train_loss": result.final_loss, "eval_curve": evals,
           "growths": growths, "primitives": primitives, "train_seconds": round(result.train_seconds, 1),
           "wall_seconds": round(trained + time.time() - start, 1), "workdir": workdir}
 
