@@ -36,6 +36,31 @@ def tiny_run(model=None, mesh=None, optimizer=None, data=None, trainer=None) -> 
   )
 
 
+def ul2_rows(seed: int, num_rows: int, seq_len: int, vocab_size: int = 300):
+  """Packed rows in which every row holds a causal, a prefix-LM and a span-corruption example of
+  random lengths, then padding: the batch format of the pipeline, mixed within each row."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from midas_jax.data import objectives, packing  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  special = objectives.special_tokens(vocab_size, extra_ids=128)
+  denoisers = [objectives.Denoiser("causal", "causal"), objectives.Denoiser("prefix", "prefix", noise_density=0.5),
+               objectives.Denoiser("span", "span")]
+  rows = []
+  for _ in range(num_rows):
+    budget = seq_len - rng.integers(1, seq_len // 6)  # leave some padding at the end
+    cuts = np.sort(rng.choice(np.arange(6, budget - 6), 2, replace=False))
+    sizes = np.diff([0, *cuts, budget])
+    order = rng.permutation(3)
+    examples = [objectives.make_example(rng.integers(3, vocab_size - 128, n), denoisers[k], rng, special)
+                for k, n in zip(order, sizes)]
+    # span corruption adds sentinels: trim the last example until the padding is back
+    while sum(len(e.tokens) for e in examples) > budget:
+      last = examples[-1]
+      examples[-1] = packing.Example(last.tokens[:-1], min(last.prefix_len, len(last.tokens) - 2), last.objective_id)
+    rows.append(packing.pack_row(examples, seq_len))
+  return packing.stack_rows(rows)
+
+
 def replace(cfg, **kw):
   return dataclasses.replace(cfg, **kw)
 

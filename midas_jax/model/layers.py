@@ -81,6 +81,8 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nn.Module):
+  """Multi-head (or grouped-query) self-attention; `mask` is an attention.AttentionMask."""
+
   cfg: ModelConfig
 
   @nn.compact
@@ -100,7 +102,8 @@ class Attention(nn.Module):
     else:
       q = rotary(q, positions, cfg.rope_theta)
       k = rotary(k, positions, cfg.rope_theta)
-    out = attn_lib.attend(q, k, v, mask)
+    # Initializing only needs the parameters' shapes, and XLA drops the unused output: no kernel.
+    out = attn_lib.attend(q, k, v, mask, "dot_product" if self.is_initializing() else cfg.attention)
     out_kernel = param(self, "out", weight_init(cfg, fan_in=h * hd, residual=True), (h, hd, d),
                        ("heads", "kv", "embed"), cfg)
     y = dot("bthk,hkd->btd", out, out_kernel, dtype)
