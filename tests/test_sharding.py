@@ -77,3 +77,22 @@ def test_shapes_that_do_not_divide_the_mesh_are_refused_before_compiling():
                               mesh=configs.MeshConfig(data=-1, tensor=2)))
   with pytest.raises(ConfigError, match="DataConfig.batch_size"):
     build_experiment(tiny_run(data=configs.DataConfig(seq_len=32, batch_size=12)))
+
+
+def test_multi_slice_meshes_put_each_slice_in_one_block_of_its_axis():
+  # 8 simulated devices as 2 slices of 4 (CPU devices carry no slice index: consecutive runs stand in).
+  cfg = configs.MeshConfig(data=1, fsdp=2, tensor=2, dcn_data=2)
+  assert sharding.resolve_mesh_shape(cfg, 8) == (2, 2, 2)
+  mesh = sharding.make_mesh(cfg)
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  assert sorted(ids[0].ravel()) == [0, 1, 2, 3] and sorted(ids[1].ravel()) == [4, 5, 6, 7]  # data row = slice
+  across_fsdp = sharding.make_mesh(configs.MeshConfig(data=2, fsdp=2, dcn_fsdp=2))
+  fsdp_ids = np.vectorize(lambda d: d.id)(across_fsdp.devices)[:, :, 0]
+  assert sorted(fsdp_ids[:, :2].ravel()) == [0, 1, 2, 3]  # fsdp columns 0-1: slice 0
+  two = mesh_from_gin("tpu_2x_v5p_128.gin")
+  assert (two.num_slices, sharding.resolve_mesh_shape(two, 128)) == (2, (2, 64, 1))
+  with pytest.raises(ConfigError, match="MeshConfig.dcn_data"):
+    sharding.resolve_mesh_shape(configs.MeshConfig(dcn_data=3), 8)
+  with pytest.raises(ConfigError, match="MeshConfig.dcn_fsdp"):
+    configs.MeshConfig(dcn_fsdp=0)
+
