@@ -78,9 +78,9 @@ def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -
 def _device_grid(shape: Tuple[int, int, int], devices: Sequence[jax.Device]) -> np.ndarray:
   try:
     return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
-  except (ValueError, NotImplementedError, AssertionError):
-    # A shape the torus mapping cannot place (rare: odd slice shapes): keep jax's device order.
-    return np.asarray(devices).reshape(shape)
+  except (ValueError, NotImplementedError) as e:
+    raise ConfigError("MeshConfig", f"data x fsdp x tensor = {shape} cannot be laid onto these devices' "
+                      f"interconnect ({str(e).splitlines()[0]})", "choose axis sizes that tile the slice") from e
 
 
 def _slices(devices: Sequence[jax.Device], count: int) -> list:
