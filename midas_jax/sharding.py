@@ -65,9 +65,9 @@ def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -
   """
   devices = list(jax.devices() if devices is None else devices)
   ici = resolve_slice_shape(cfg, len(devices))
-  if cfg.num_slices == 1:
-    return Mesh(_device_grid(ici, devices), MESH_AXES)
   slices = _slices(devices, cfg.num_slices)
+  if len(slices) == 1:
+    return Mesh(_device_grid(ici, slices[0]), MESH_AXES)
   dcn = dcn_shape(cfg)
   grids = np.empty(dcn, dtype=object)
   for index, members in zip(np.ndindex(*dcn), slices):
@@ -90,7 +90,10 @@ def _slices(devices: Sequence[jax.Device], count: int) -> list:
   for d in devices:
     by_slice.setdefault(getattr(d, "slice_index", 0), []).append(d)
   if len(by_slice) == count:
-    return [by_slice[k] for k in sorted(by_slice)]
+    slices = [by_slice[k] for k in sorted(by_slice)]
+    require(len({len(s) for s in slices}) == 1, "MeshConfig.dcn_data", "the slices have different numbers of "
+            f"devices ({', '.join(str(len(s)) for s in slices)})", "use every device of each slice")
+    return slices
   require(len(by_slice) == 1, "MeshConfig.dcn_data", f"the devices form {len(by_slice)} slices, but "
           f"dcn_data x dcn_fsdp = {count}", "set dcn_data x dcn_fsdp to the number of slices")
   per = len(devices) // count

@@ -1,19 +1,17 @@
 """The described UL2 mask and the fused attention kernels, run in Pallas interpret mode on CPU and
 checked against the dense path (docs/architecture.md#the-mask-is-described-not-built)."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import tiny_model, tiny_run, ul2_rows
-from midas_jax import configs, sharding
+from midas_jax import configs
 from midas_jax.errors import ConfigError
-from midas_jax.model import Decoder, attention, describe_mask, make_attention_mask
+from midas_jax.model import attention, describe_mask, make_attention_mask
 from midas_jax.model.kernels import block_tables, flash_attention
-from midas_jax.train import experiment as experiment_lib, step as step_lib
+from midas_jax.train import experiment as experiment_lib
 
 
 def _description(batch):
@@ -84,23 +82,6 @@ def test_the_gpu_kernels_lower_to_triton():
                   argnums=(0, 1, 2))
   text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dQ, dK/dV
-
-
-def test_flash_in_the_train_step_on_a_data_fsdp_tensor_mesh_matches_dot_product():
-  # Rows over data x fsdp, heads over tensor; one experiment, its step compiled with either kernel.
-  config = tiny_run(model=tiny_model(attention="flash", num_layers=1, num_heads=4, num_kv_heads=2),
-                    mesh=configs.MeshConfig(data=2, fsdp=2, tensor=2), data=configs.DataConfig(seq_len=32, batch_size=8))
-  flash = experiment_lib.build_experiment(config)
-  dense = dataclasses.replace(flash, model=Decoder(dataclasses.replace(flash.model.cfg, attention="dot_product")))
-  metrics = {}
-  with flash.context():
-    state, batch = flash.init_state(), flash.device_batch(0)
-    for name, exp in (("flash", flash), ("dense", dense)):
-      step = jax.jit(step_lib.make_train_step(exp.model, exp.tx, exp.schedule, 0.0),
-                     in_shardings=(exp.layout.shardings, sharding.batch_sharding(exp.mesh)))
-      metrics[name] = jax.device_get(step(state, batch)[1])
-  for key in ("loss", "grad_norm", "objective_loss_sum"):
-    np.testing.assert_allclose(metrics["flash"][key], metrics["dense"][key], rtol=2e-5, err_msg=key)
 
 
 def test_auto_is_dot_product_on_cpu_and_flash_elsewhere():

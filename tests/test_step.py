@@ -1,21 +1,20 @@
-"""The train step's loss and gradients: chunked cross-entropy and gradient accumulation over
-microbatches give today's numbers, through growth and resume, on the 8-device mesh."""
+"""The train step's loss and gradients: chunked cross-entropy, gradient accumulation over
+microbatches give the numbers of one pass over the whole sequence and batch, on an 8-device mesh.
+(Microbatches through growth and an exact resume: tests/test_checkpoint.py; the flash kernel in the
+sharded train step: tests/test_sharding.py.)"""
 
-import os
-import shutil
+import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_model, tiny_run
+from conftest import tiny_model, tiny_run, ul2_rows
 from midas_jax import configs, sharding
-from midas_jax.checkpoint import available_steps, load_model
 from midas_jax.errors import ConfigError
-from midas_jax.train import loop, step as step_lib
-from midas_jax.train.experiment import build_experiment
-from midas_jax.train.metrics import read_metrics
+from midas_jax.train import experiment as experiment_lib, step as step_lib
 
 
 def _relative(a, b):
@@ -65,66 +64,48 @@ def test_chunked_loss_holds_one_chunk_of_logits_in_the_compiled_backward_pass():
   assert temp[64] < whole_logits / 2
 
 
-def _experiment(microbatches, batch_size=16, **mesh):
-  config = tiny_run(model=tiny_model(num_heads=4, num_kv_heads=2),
-                    mesh=configs.MeshConfig(**(mesh or dict(data=1, fsdp=-1))),
-                    data=configs.DataConfig(seq_len=32, batch_size=batch_size),
-                    trainer=configs.TrainerConfig(num_steps=4, microbatches=microbatches, loss_chunk=16,
-                                                  progress_bar=False))
-  return build_experiment(config)
+MESH_RUN = tiny_run(model=tiny_model(vocab_size=512, num_layers=1), mesh=configs.MeshConfig(data=2, fsdp=2, tensor=2),
+                    data=configs.DataConfig(seq_len=32, batch_size=16))
+
+
+def _relative_errors(result, reference):
+  """{metric or parameter path: relative error of result against reference}."""
+  (aux, grads), (ref_aux, ref_grads) = result, reference
+  errors = {key: _relative(aux[key], ref_aux[key]) for key in ref_aux}
+  for (path, ref), g in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
+    errors[jax.tree_util.keystr(path)] = _relative(g, ref)
+  return errors
 
 
 def test_microbatches_give_the_full_batch_loss_gradients_and_per_objective_sums():
-  exp = _experiment(4, batch_size=32)  # 32 rows on 8 devices: 4 per device, or 4 microbatches of one each
-  loss_fn = step_lib.make_loss_fn(exp.model, z_loss=1e-3, loss_chunk=16)
-  results = {}
-  with exp.context():
-    params, batch = exp.init_state().params, exp.device_batch(0)
-    for n in (1, 4):
-      grads_of = jax.jit(lambda p, b, n=n: step_lib.accumulated_gradients(loss_fn, p, b, n,
-                                                                          exp.layout.shardings.params),
-                         in_shardings=(exp.layout.shardings.params, sharding.batch_sharding(exp.mesh)))
-      results[n] = jax.device_get(grads_of(params, batch))
-  (aux1, grads1), (aux4, grads4) = results[1], results[4]
-  assert set(np.flatnonzero(aux1["objective_weight_sum"])) == {0, 1, 2}  # every objective in the batch
-  for key in aux1:
-    assert _relative(aux4[key], aux1[key]) <= 1e-6, key
-  for g4, g1 in zip(jax.tree.leaves(grads4), jax.tree.leaves(grads1)):
-    assert _relative(g4, g1) <= 1e-6
+  # One packed UL2 batch on a data 2 x fsdp 2 x tensor 2 mesh, the loss in 2 chunks of 16 positions:
+  # 16 rows in one pass, and as 4 microbatches of 4. Random parameters: both must compute the same function.
+  mesh = sharding.make_mesh(MESH_RUN.mesh)
+  model, _, _, rules, layout = experiment_lib.model_and_layout(MESH_RUN, mesh, MESH_RUN.model)
+  rng = np.random.default_rng(0)
+  params = jax.device_put(jax.tree.map(lambda a: rng.normal(0, 0.2, a.shape).astype(np.float32),
+                                       layout.abstract.params), layout.shardings.params)
+  batch = sharding.shard_batch(ul2_rows(seed=3, num_rows=16, seq_len=32, vocab_size=512), mesh)
+  loss_fn = step_lib.make_loss_fn(model, z_loss=1e-3, loss_chunk=16)
 
-
-def _stacked(microbatches):
-  return configs.RunConfig(
-      model=tiny_model(num_layers=4), mesh=configs.MeshConfig(),
-      optimizer=configs.OptimizerConfig(learning_rate=3e-3, warmup_steps=2),
-      data=configs.DataConfig(seq_len=32, batch_size=16),
-      trainer=configs.TrainerConfig(num_steps=4, log_every=1, eval_every=0, eval_batches=1, progress_bar=False,
-                                    peak_flops_per_device=1e11, microbatches=microbatches),
-      stacking=configs.StackingConfig(num_stages=2, stage_steps=(2, 2)),
-      checkpoint=configs.CheckpointConfig(every=1, keep=10))
-
-
-def test_microbatches_through_growth_and_an_exact_resume_on_eight_devices(tmp_path):
-  config = _stacked(microbatches=2)  # 16 rows on 8 devices: 2 microbatches of one row per device
-  reference = str(tmp_path / "reference")
-  loop.train(config, reference)
-  rows = read_metrics(reference, "train")
-  assert [r["depth"] for r in rows] == [2, 2, 4, 4] and all(np.isfinite(r["loss"]) for r in rows)
-  crashed = str(tmp_path / "crashed")
-  shutil.copytree(reference, crashed)
-  for step in available_steps(crashed):
-    if step != 1:
-      shutil.rmtree(os.path.join(crashed, "checkpoints", str(step)))
-  assert loop.train(config, crashed).start_step == 1  # resumes before the growth at step 2
-  for a, b in zip(jax.tree.leaves(load_model(crashed).params), jax.tree.leaves(load_model(reference).params)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert [r["loss"] for r in read_metrics(crashed, "train")] == [r["loss"] for r in rows]
+  def both(p, b):  # one program, one compile
+    return {n: step_lib.accumulated_gradients(loss_fn, p, b, n, layout.shardings.params) for n in (1, 4)}
+  with jax.set_mesh(mesh), nn.logical_axis_rules(list(rules)):
+    both = jax.jit(both, in_shardings=(layout.shardings.params, sharding.batch_sharding(mesh)))
+    results = jax.device_get(both(params, batch))
+  aux = results[1][0]
+  assert set(np.flatnonzero(aux["objective_weight_sum"])) == {0, 1, 2}  # every objective in the batch
+  assert aux["tokens"] == aux["objective_weight_sum"].sum() > 0
+  errors = _relative_errors(results[4], results[1])
+  assert max(errors.values()) <= 1e-6, {k: e for k, e in errors.items() if e > 1e-6}
 
 
 def test_microbatches_that_do_not_divide_are_config_errors():
   with pytest.raises(ConfigError, match="TrainerConfig.microbatches"):
     tiny_run(data=configs.DataConfig(seq_len=32, batch_size=8), trainer=configs.TrainerConfig(microbatches=3))
   with pytest.raises(ConfigError, match="TrainerConfig.microbatches"):
-    _experiment(microbatches=4)  # 16 rows over 8 devices: 2 per device do not split into 4
-  with pytest.raises(ConfigError, match="TrainerConfig.microbatches"):
     configs.TrainerConfig(microbatches=0)
+  # 16 rows over data x fsdp = 4 devices: 4 per device do not split into 8 microbatches.
+  config = dataclasses.replace(MESH_RUN, trainer=configs.TrainerConfig(microbatches=8))
+  with pytest.raises(ConfigError, match="TrainerConfig.microbatches"):
+    experiment_lib.model_and_layout(config, sharding.make_mesh(config.mesh), config.model)
