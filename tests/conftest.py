@@ -39,8 +39,10 @@ def tiny_run(model=None, mesh=None, optimizer=None, data=None, trainer=None) -> 
 
 # tests/test_kill_resume.py kills runs at random times drawn from this seed: a fresh one every
 # session, so CI explores new kill points; the report header prints it, and MIDAS_KILL_SEED=<seed>
-# replays a failure's kills (the same trigger lines and delays).
-KILL_SEED = int(os.environ.get("MIDAS_KILL_SEED") or random.SystemRandom().randrange(2 ** 31))
+# replays a failure's kills (the same trigger lines and delays). Drawn once by the pytest process
+# and put in the environment, so that its worker processes (pytest-xdist) kill with the same seed.
+os.environ.setdefault("MIDAS_KILL_SEED", str(random.SystemRandom().randrange(2 ** 31)))
+KILL_SEED = int(os.environ["MIDAS_KILL_SEED"])
 
 
 def pytest_report_header(config):
