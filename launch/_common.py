@@ -9,7 +9,7 @@ import argparse
 import shlex
 import subprocess
 import sys
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 Command = Union[str, Sequence[str]]
 
@@ -37,6 +37,32 @@ def flag_value(args: Sequence[str], name: str) -> Optional[str]:
     if arg == f"--{name}" and i + 1 < len(args):
       return args[i + 1]
   return None
+
+
+def add_env(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                      help="environment variable for every process of the run (repeatable), e.g. "
+                           "--env=XLA_FLAGS=--xla_dump_to=/tmp/dump")
+
+
+def parse_env(parser: argparse.ArgumentParser, items: Sequence[str]) -> Dict[str, str]:
+  """--env KEY=VALUE items as a dict; a malformed one is a usage error."""
+  env: Dict[str, str] = {}
+  for item in items:
+    key, sep, value = item.partition("=")
+    if not sep or not key or not (key[0].isalpha() or key[0] == "_") or not all(c.isalnum() or c == "_" for c in key):
+      parser.error(f"--env={item}: expected KEY=VALUE with KEY a variable name")
+    env[key] = value
+  return env
+
+
+def workdir_note(midas_args: Sequence[str], shared_by: str) -> Optional[str]:
+  """A note when the run's --workdir is a path on each machine rather than a URL every one sees."""
+  workdir = flag_value(midas_args, "workdir")
+  if workdir is None or "://" in workdir:
+    return None
+  return (f"--workdir={workdir} is a path on each {shared_by}: checkpoints are written by every process "
+          "together, so it must be storage all of them see; gs://BUCKET/DIR keeps the whole run in a bucket")
 
 
 def add_dry_run(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ import threading
 from typing import Dict, List, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Runner, add_dry_run, require_midas_args, split_midas_args  # noqa: E402  pylint: disable=wrong-import-position
+from _common import Runner, add_dry_run, add_env, parse_env, require_midas_args, split_midas_args  # noqa: E402  pylint: disable=wrong-import-position
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,9 +36,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                       help="simulated CPU devices per process; 0 keeps the machine's own devices")
   parser.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
   parser.add_argument("--python", default=sys.executable, help="interpreter that runs midas_jax")
+  add_env(parser)
   add_dry_run(parser)
   args = parser.parse_args(own)
   args.midas_args = midas_args
+  args.env = parse_env(parser, args.env)
   require_midas_args(parser, midas_args)
   if args.num_processes < 1:
     parser.error("--num_processes must be >= 1")
@@ -54,12 +56,12 @@ def free_port() -> int:
 
 
 def process_env(args) -> Dict[str, str]:
-  """The variables each process gets on top of this one's environment."""
+  """The variables each process gets on top of this one's environment (--env last, so it wins)."""
   if not args.devices_per_process:
-    return {}
+    return dict(args.env)
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
   flags.append(f"--xla_force_host_platform_device_count={args.devices_per_process}")
-  return {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
+  return dict({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}, **args.env)
 
 
 def commands(args, port: int) -> List[Tuple[Dict[str, str], List[str]]]:

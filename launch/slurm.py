@@ -9,7 +9,9 @@ The script is written to --script (default midas_<job_name>.sbatch) and submitte
 the coordinator, process count and rank from them; midas_jax/distributed.py), so the midas command
 needs no coordinator flags. With one task per GPU (the default) each process drives the GPU
 numbered by its local rank; --tasks_per_node=1 gives one process all of its node's GPUs. The
-workdir must be on storage every node sees: checkpoints are written by all processes together.
+workdir must be on storage every node sees (a shared file system, or a gs:// URL, which every
+output is written to directly): checkpoints are written by all processes together. --env=KEY=VALUE
+exports a variable to every task (srun passes the script's environment on).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import sys
 from typing import List, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Runner, add_dry_run, require_midas_args, split_midas_args  # noqa: E402  pylint: disable=wrong-import-position
+from _common import (Runner, add_dry_run, add_env, parse_env, require_midas_args, split_midas_args,  # noqa: E402  pylint: disable=wrong-import-position
+                     workdir_note)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,9 +47,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
   parser.add_argument("--script", default=None, help="where to write the sbatch script")
   parser.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                       help="extra sbatch option, e.g. --sbatch=--exclusive (repeatable)")
+  add_env(parser)
   add_dry_run(parser)
   args = parser.parse_args(own)
   args.midas_args = midas_args
+  args.env = parse_env(parser, args.env)
   require_midas_args(parser, midas_args)
   if args.tasks_per_node is None:
     args.tasks_per_node = args.gpus_per_node
@@ -80,6 +85,7 @@ def sbatch_script(args) -> str:
   ]
   if args.venv:
     lines.append(f"source {shlex.quote(os.path.join(args.venv, 'bin', 'activate'))}")
+  lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(args.env.items())]
   lines += [
       "export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92  # leave room for NCCL's buffers",
       "srun --kill-on-bad-exit=1 " + shlex.join(["python", "-m", "midas_jax", *args.midas_args]),
@@ -91,6 +97,9 @@ def main(argv: Sequence[str] = None) -> int:
   args = parse(sys.argv[1:] if argv is None else argv)
   runner = Runner(args.dry_run)
   script = sbatch_script(args)
+  note = workdir_note(args.midas_args, "node")
+  if note:
+    runner.note(note)
   if args.dry_run:
     runner.note(f"would write {args.script}:")
     for line in script.splitlines():

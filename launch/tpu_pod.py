@@ -8,8 +8,10 @@ Actions: up (create or reuse, install, run, follow the log), create, install, ru
 worker, then follow), logs, stop (SIGTERM: the run saves a checkpoint and exits), delete.
 --dry-run prints the gcloud commands instead of running them. Every worker runs the same command;
 jax finds the other workers from the TPU VM's metadata (midas_jax/distributed.py), so no
-coordinator flags are needed. The workdir must be storage every worker sees (a gcsfuse or NFS
-mount): checkpoints are written collectively by all workers, metrics by process 0 alone.
+coordinator flags are needed. The workdir must be storage every worker sees: a gs:// URL (orbax
+and every other output write to the bucket directly), or an NFS mount. The run is a transient
+systemd unit on each worker (`systemd-run`), so its log is the journal's and no log, pid or other
+file of the run is written to a worker's disk; --env=KEY=VALUE sets variables for it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import sys
 from typing import List, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (Runner, add_dry_run, require_midas_args, split_midas_args)  # noqa: E402  pylint: disable=wrong-import-position
+from _common import (Runner, add_dry_run, add_env, parse_env, require_midas_args, split_midas_args,  # noqa: E402  pylint: disable=wrong-import-position
+                     workdir_note)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACTIONS = ("up", "create", "install", "run", "logs", "stop", "delete")
@@ -45,11 +48,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
   parser.add_argument("--source", default=REPO_ROOT, help="the midas_jax checkout to install")
   parser.add_argument("--remote_dir", default="midas_jax", help="install directory on each worker (under ~)")
   parser.add_argument("--extras", default="data,tpu", help="the package's extras to install (setup.py)")
-  parser.add_argument("--run_name", default="midas", help="names the run's log and pid files on the workers")
+  parser.add_argument("--run_name", default="midas", help="names the run's systemd unit on the workers (midas-NAME)")
   parser.add_argument("--log_worker", type=int, default=0, help="the worker whose log `logs` follows")
+  add_env(parser)
   add_dry_run(parser)
   args = parser.parse_args(own)
   args.midas_args = midas_args
+  args.env = parse_env(parser, args.env)
   if args.action in ("up", "create") and not args.accelerator:
     parser.error(f"`{args.action}` needs --accelerator, e.g. --accelerator=v5p-128")
   if args.action in ("up", "run"):
@@ -78,9 +83,8 @@ def ssh(args, command: str, worker: str = "all") -> List[str]:
   return _gcloud(args, "ssh", args.name, f"--worker={worker}", f"--command={command}")
 
 
-def _paths(args):
-  log_dir = "~/midas_logs"
-  return log_dir, f"{log_dir}/{args.run_name}.log", f"{log_dir}/{args.run_name}.pid"
+def unit(args) -> str:
+  return f"midas-{args.run_name}"
 
 
 def create(args, runner: Runner) -> None:
@@ -101,27 +105,33 @@ def install(args, runner: Runner) -> None:
               "--exclude=__pycache__", "-C", os.path.abspath(args.source), "."])
   runner.run(_gcloud(args, "scp", archive, f"{args.name}:{REMOTE_ARCHIVE}", "--worker=all"))
   remote = (f"mkdir -p ~/{args.remote_dir} && tar xzf {REMOTE_ARCHIVE} -C ~/{args.remote_dir} && "
-            f"cd ~/{args.remote_dir} && python3 -m pip install -q -e '.[{args.extras}]'")
+            f"rm -f {REMOTE_ARCHIVE} && cd ~/{args.remote_dir} && python3 -m pip install -q -e '.[{args.extras}]'")
   runner.run(ssh(args, remote))
 
 
 def start(args, runner: Runner) -> None:
-  log_dir, log, pid = _paths(args)
-  midas = shlex.join(["python3", "-m", "midas_jax", *args.midas_args])
-  remote = (f"mkdir -p {log_dir} && cd ~/{args.remote_dir} && "
-            f"nohup {midas} > {log} 2>&1 < /dev/null & echo $! > {pid}")
-  runner.run(ssh(args, remote))
+  note = workdir_note(args.midas_args, "worker")
+  if note:
+    runner.note(note)
+  # A transient unit as this user, in the checkout: the journal keeps its output, systemd its pid.
+  # The first part is expanded by the worker's shell ($(id -u), $HOME); the rest is quoted.
+  worker_side = ["sudo", "systemd-run", f"--unit={unit(args)}", "--collect", "--quiet", "--uid=$(id -u)",
+                 "--gid=$(id -g)", f"--working-directory=$HOME/{args.remote_dir}", "--setenv=HOME=$HOME"]
+  setenv = [f"--setenv={k}={v}" for k, v in sorted(dict(args.env, PYTHONUNBUFFERED="1").items())]
+  command = " ".join(worker_side) + " " + shlex.join([*setenv, "python3", "-m", "midas_jax", *args.midas_args])
+  runner.run(ssh(args, f"sudo systemctl reset-failed {unit(args)} 2>/dev/null; {command}"))
 
 
 def follow(args, runner: Runner) -> None:
-  _, log, pid = _paths(args)
   runner.note(f"following worker {args.log_worker}'s log until its run ends (Ctrl-C stops following, not the run)")
-  runner.run(ssh(args, f"tail --pid=$(cat {pid}) -n +1 -F {log}", worker=str(args.log_worker)), check=False)
+  journal = f"sudo journalctl --unit={unit(args)} --follow --lines=all --output=cat"
+  remote = (f"{journal} & J=$!; while systemctl is-active --quiet {unit(args)}; do sleep 5; done; "
+            f"sleep 2; kill $J")
+  runner.run(ssh(args, remote, worker=str(args.log_worker)), check=False)
 
 
 def stop(args, runner: Runner) -> None:
-  _, _, pid = _paths(args)
-  runner.run(ssh(args, f"kill -TERM $(cat {pid}) 2>/dev/null || true"))
+  runner.run(ssh(args, f"sudo systemctl kill --signal=SIGTERM {unit(args)} 2>/dev/null || true"))
 
 
 def delete(args, runner: Runner) -> None:

@@ -1,6 +1,6 @@
 """The `midas` command line (also `python -m midas_jax`).
 
-  midas train --gin_file=F [--gin_file=F2 ...] [--gin.KEY=VALUE ...] --workdir=DIR
+  midas train --gin_file=F [--gin_file=F2 ...] [--gin.KEY=VALUE ...] --workdir=DIR|gs://BUCKET/DIR [--profile=5:8]
   midas compare --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas inspect --workdir=DIR
   midas eval --workdir=DIR --suite=NAME|a,b|all [...]     midas report --workdir=DIR
@@ -10,7 +10,9 @@
   midas bench stacking --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench train --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]
   midas bench checkpoint --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
+  midas bench preemption --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]   (on N processes: launch/local.py)
   midas bench data --gin_file=F [--gin.KEY=VALUE ...] [--seconds=S] [--train_tokens_per_second=X]
+  midas data prepare --gin_file=F [--gin.KEY=VALUE ...] --out=PATH [--runner=R] [--num_workers=N] [-- BEAM_OPTIONS]
   midas data sample --gin_file=F --steps=N --out=FILE.jsonl
   midas data write-corpus --out=DIR
   midas data train-spm --files=GLOB [--files=GLOB ...] --vocab_size=N --out=PREFIX
@@ -22,13 +24,12 @@ ends with a one-paragraph message naming the setting and the fix, and exit statu
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from midas_jax import distributed
+from midas_jax import distributed, fs
 from midas_jax.errors import ConfigError, NonFiniteLossError
 
 
@@ -59,7 +60,11 @@ def _parser() -> argparse.ArgumentParser:
   train = sub.add_parser("train", help="train (or resume) a model")
   _add_gin_flags(train)
   train.add_argument("--workdir", required=True,
-                     help="output directory: config, metrics, checkpoints; a workdir with checkpoints resumes")
+                     help="output directory or gs:// URL: config, metrics, checkpoints; a workdir with "
+                          "checkpoints resumes")
+  train.add_argument("--profile", default=None, metavar="START:STOP",
+                     help="write a jax.profiler trace of steps START+1..STOP under WORKDIR/profile "
+                          "(TrainerConfig.profile_steps)")
   train.add_argument("--allow_config_changes", default="",
                      help="comma-separated settings (e.g. optimizer.learning_rate,trainer.num_steps, or a "
                           "section like optimizer.) that may differ from the checkpoint's config on resume; "
@@ -90,28 +95,13 @@ def _parser() -> argparse.ArgumentParser:
   _add_gin_flags(bench_ckpt)
   bench_ckpt.add_argument("--workdir", required=True, help="where the benchmark's checkpoints are written")
   bench_ckpt.add_argument("--json", default=None, help="also write the results to this JSON file")
-  bench_data = bench_sub.add_parser("data", help="input pipeline tokens/s on one core vs t5/TF and training")
-  _add_gin_flags(bench_data)
-  bench_data.add_argument("--seconds", type=float, default=5.0, help="timed seconds per measurement")
-  bench_data.add_argument("--train_tokens_per_second", type=float, default=None,
-                          help="training consumption to compare with, instead of timing train steps")
-  bench_data.add_argument("--train_steps", type=int, default=5, help="timed train steps (after 2 warmup)")
-  bench_data.add_argument("--json", default=None, help="also write the results to this JSON file")
-
-  data = sub.add_parser("data", help="data utilities")
-  data_sub = data.add_subparsers(dest="data", required=True)
-  corpus = data_sub.add_parser("write-corpus", help="write the built-in corpus as text files")
-  corpus.add_argument("--out", required=True)
-  corpus.add_argument("--seed", type=int, default=0)
-  sample = data_sub.add_parser("sample", help="write the decoded examples of the first N steps as JSONL")
-  _add_gin_flags(sample)
-  sample.add_argument("--steps", type=int, default=1)
-  sample.add_argument("--split", default="train", choices=("train", "validation"))
-  sample.add_argument("--out", required=True, help="output .jsonl file")
-  spm = data_sub.add_parser("train-spm", help="train a SentencePiece model on local text files")
-  spm.add_argument("--files", action="append", required=True, help="glob; repeatable")
-  spm.add_argument("--vocab_size", type=int, default=8000)
-  spm.add_argument("--out", required=True, help="model prefix: writes PREFIX.model")
+  bench_preempt = bench_sub.add_parser("preemption", help="what the per-step preemption check costs a train "
+                                      "step (run it on several processes with launch/local.py)")
+  _add_gin_flags(bench_preempt)
+  bench_preempt.add_argument("--steps", type=int, default=20, help="train steps per timed block")
+  bench_preempt.add_argument("--repeats", type=int, default=5, help="timed blocks per variant")
+  bench_preempt.add_argument("--json", default=None, help="also write the results to this JSON file")
+  distributed.add_flags(bench_preempt)
   return parser
 
 
@@ -120,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
 # `bench_sub` (`midas bench NAME`, keyed "bench NAME") and imports nothing heavy at module level.
 # A handler is called as handler(args, bindings) and returns the exit status.
 COMMAND_MODULES: Tuple[str, ...] = ("midas_jax.convert.commands", "midas_jax.evals.commands",
-                                     "midas_jax.evals.study_commands", "midas_jax.scale_commands")
+                                     "midas_jax.evals.study_commands", "midas_jax.scale_commands",
+                                     "midas_jax.data.commands")
 
 
 def _parser_and_plugins() -> Tuple[argparse.ArgumentParser, dict]:
@@ -156,7 +147,19 @@ def enable_compilation_cache() -> None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def profile_binding(text: Optional[str]) -> List[str]:
+  """`--profile=START:STOP` as the gin binding it stands for (checked by TrainerConfig)."""
+  if text is None:
+    return []
+  start, sep, stop = text.partition(":")
+  if not (sep and start.strip().isdigit() and stop.strip().isdigit()):
+    raise ConfigError("--profile", f"{text!r} is not START:STOP", "pass e.g. --profile=5:8 to trace steps 6 to 8")
+  return [f"TrainerConfig.profile_steps=({int(start)}, {int(stop)})"]
+
+
 def _train(args, bindings) -> int:
+  fs.check(args.workdir, "--workdir")  # an unknown scheme fails before anything starts
+  bindings = list(bindings) + profile_binding(args.profile)
   distributed.initialize(args)  # before anything asks jax for its devices
   from midas_jax.train.loop import train  # pylint: disable=import-outside-toplevel
   enable_compilation_cache()
@@ -178,30 +181,38 @@ def _compare(args, bindings) -> int:
   report = compare.compare(config, args.workdir, operative_config=gin_config.operative_config())
   print(report["table"])
   print(f"wall-clock speedup {report['measured_speedup']:.2f}x at {report['flop_ratio']:.2f}x fewer FLOPs; "
-        f"plot: {os.path.join(args.workdir, 'loss_vs_flops.png')}")
+        f"plot: {fs.join(args.workdir, 'loss_vs_flops.png')}")
   return 0
 
 
 def _inspect(args, bindings) -> int:
   del bindings
-  path = os.path.join(args.workdir, "stages.json")
-  if not os.path.isfile(path):
+  workdir = fs.check(args.workdir, "--workdir")
+  path = fs.join(workdir, "stages.json")
+  if not fs.isfile(path):
     raise ConfigError("--workdir", f"no run in {args.workdir} (stages.json is missing)",
                       "pass the --workdir of a `midas train` run")
-  with open(path) as f:
-    report = json.load(f)
-  config_path = os.path.join(args.workdir, "config.json")
-  if os.path.isfile(config_path):
-    with open(config_path) as f:
-      report["config"] = json.load(f)
+  report = fs.read_json(path)
+  config_path = fs.join(workdir, "config.json")
+  if fs.isfile(config_path):
+    report["config"] = fs.read_json(config_path)
   print(json.dumps(report, indent=2))
   return 0
 
 
 def _bench(args, bindings) -> int:
-  from midas_jax.bench import data_bench, train_bench  # pylint: disable=import-outside-toplevel
+  if args.bench == "preemption":
+    distributed.initialize(args)  # before anything asks jax for its devices
+  from midas_jax.bench import train_bench  # pylint: disable=import-outside-toplevel
   config, _ = _load_run_config(args.gin_file, bindings)
-  if args.bench == "stacking":
+  if args.bench == "preemption":
+    from midas_jax.bench import preemption_bench  # pylint: disable=import-outside-toplevel
+    report = preemption_bench.run(config, steps=args.steps, repeats=args.repeats)
+    import jax  # pylint: disable=import-outside-toplevel
+    if jax.process_index() != 0:
+      return 0
+    print(preemption_bench.format_report(report))
+  elif args.bench == "stacking":
     from midas_jax.bench import stacking_bench  # pylint: disable=import-outside-toplevel
     report = stacking_bench.run(config, args.workdir)
     print(stacking_bench.format_report(report))
@@ -209,50 +220,15 @@ def _bench(args, bindings) -> int:
     from midas_jax.bench import checkpoint_bench  # pylint: disable=import-outside-toplevel
     report = checkpoint_bench.run(config, args.workdir)
     print(checkpoint_bench.format_report(report))
-  elif args.bench == "data":
-    report = data_bench.run(config, seconds=args.seconds, train_tokens_per_second=args.train_tokens_per_second,
-                            train_steps=args.train_steps)
-    print(data_bench.format_report(report))
   else:
     report = train_bench.run(config, steps=args.steps, warmup=args.warmup, peak_size=args.peak_size)
     print(train_bench.format_report(report))
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump(report, f, indent=2)
+    fs.write_json(args.json, report)
   return 0
 
 
-def _data_sample(args, bindings) -> int:
-  from midas_jax.data.samples import sample_records  # pylint: disable=import-outside-toplevel
-  from midas_jax.train.experiment import load_data  # pylint: disable=import-outside-toplevel
-  config, _ = _load_run_config(args.gin_file, bindings)
-  vocab, pipeline = load_data(config)
-  count = 0
-  with open(args.out, "w") as f:
-    for record in sample_records(pipeline, vocab, args.steps, args.split):
-      f.write(json.dumps(record, ensure_ascii=False) + "\n")
-      count += 1
-  print(f"wrote {count} examples from {args.steps} steps to {args.out}")
-  return 0
-
-
-def _data(args, bindings) -> int:
-  if args.data == "sample":
-    return _data_sample(args, bindings)
-  if args.data == "write-corpus":
-    from midas_jax.data import corpus  # pylint: disable=import-outside-toplevel
-    for split, path in corpus.write_text_files(args.out, seed=args.seed).items():
-      print(f"{split}: {path}")
-    return 0
-  from midas_jax.data import vocab  # pylint: disable=import-outside-toplevel
-  files = sorted({f for pattern in args.files for f in glob.glob(pattern)})
-  if not files:
-    raise ConfigError("--files", f"no file matches {args.files}", "pass a glob that matches text files")
-  print(vocab.train_sentencepiece(files, args.out, vocab_size=args.vocab_size))
-  return 0
-
-
-COMMANDS = {"train": _train, "compare": _compare, "inspect": _inspect, "bench": _bench, "data": _data}
+COMMANDS = {"train": _train, "compare": _compare, "inspect": _inspect, "bench": _bench}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

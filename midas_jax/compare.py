@@ -9,12 +9,11 @@ run's own outputs in <workdir>/<run name>/.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Dict, List
 
 import jax
 
+from midas_jax import fs
 from midas_jax.configs import RunConfig, StackingConfig
 from midas_jax.train import loop
 from midas_jax.train.metrics import read_metrics
@@ -33,10 +32,11 @@ def summarize(name: str, result: loop.TrainResult) -> Dict[str, object]:
   evals = read_metrics(result.workdir, "eval")
   train_rows = read_metrics(result.workdir, "train")
   last_eval = evals[-1] if evals else {}
-  row = {"run": name, "steps": result.steps, "train_seconds": round(result.train_seconds, 1),
+  # Times stay unrounded: the speedup is their ratio, and the table rounds them for display only.
+  row = {"run": name, "steps": result.steps, "train_seconds": result.train_seconds,
          "total_flops": train_rows[-1]["cumulative_flops"] if train_rows else None,
          "final_train_loss": result.final_loss, "final_eval_loss": last_eval.get("loss"),
-         "growth_seconds": round(sum(g["seconds"] for g in result.growths), 2), "workdir": result.workdir}
+         "growth_seconds": sum(g["seconds"] for g in result.growths), "workdir": result.workdir}
   for objective in OBJECTIVES:
     row[f"eval_loss/{objective}"] = last_eval.get(f"loss/{objective}")
   return row
@@ -86,7 +86,7 @@ def plot_loss_vs_flops(rows: List[Dict[str, object]], growths: List[dict], path:
   ax.set_title("loss against training compute")
   ax.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fs.write_figure(path, fig, dpi=110)
   plt.close(fig)
 
 
@@ -97,7 +97,7 @@ def compare(config: RunConfig, workdir: str, operative_config: str = "",
   rows, growths = [], []
   for name, cfg in run_pair(config).items():
     checkpointer = None if save_checkpoints else loop.NoCheckpointer()
-    result = loop.train(cfg, os.path.join(workdir, name), operative_config=operative_config,
+    result = loop.train(cfg, fs.join(workdir, name), operative_config=operative_config,
                         checkpointer=checkpointer)
     rows.append(summarize(name, result))
     growths = result.growths or growths
@@ -107,10 +107,8 @@ def compare(config: RunConfig, workdir: str, operative_config: str = "",
             "flop_ratio": baseline["total_flops"] / stacked["total_flops"]}
   table = markdown_table(rows)
   if jax.process_index() == 0:  # files come from process 0 only
-    with open(os.path.join(workdir, "comparison.json"), "w") as f:
-      json.dump(report, f, indent=2)
-    with open(os.path.join(workdir, "comparison.md"), "w") as f:
-      f.write(table + "\n")
-    plot_loss_vs_flops(rows, growths, os.path.join(workdir, "loss_vs_flops.png"))
+    fs.write_json(fs.join(workdir, "comparison.json"), report)
+    fs.write_text(fs.join(workdir, "comparison.md"), table + "\n")
+    plot_loss_vs_flops(rows, growths, fs.join(workdir, "loss_vs_flops.png"))
   report["table"] = table
   return report

@@ -39,6 +39,7 @@ class ModelConfig:
   loop_start, loop_size, loop_repeats: a looped model: layers [loop_start, loop_start + loop_size)
     share their weights across loop_repeats consecutive applications (1: no looping). Set in training
     for a looped model, or at evaluation to loop a grown model's middle block (model/looping.py).
+  qkv_bias: llama family only: biases on the query, key and value projections (Qwen2's layout).
   attention: "dot_product" (XLA, with a dense [batch, 1, T, T] mask), "flash" (the fused Pallas
     kernels of model/kernels/: nothing of size T x T stored, fully masked blocks skipped) or "auto"
     (flash on TPU and GPU, dot_product on CPU). See model/attention.py.
@@ -67,6 +68,7 @@ class ModelConfig:
   loop_size: int = 0
   loop_repeats: int = 1
   attention: str = "auto"
+  qkv_bias: bool = False
 
   def __post_init__(self):
     s = "ModelConfig."
@@ -93,6 +95,8 @@ class ModelConfig:
             "grouped-query attention needs num_heads to be a multiple of num_kv_heads")
     require(self.family == "llama" or kv == self.num_heads, s + "num_kv_heads",
             "grouped-query attention is a llama-family option", "leave num_kv_heads unset for gpt2")
+    require(self.family == "llama" or not self.qkv_bias, s + "qkv_bias",
+            "gpt2-family models always have biases on every projection", "leave ModelConfig.qkv_bias False for gpt2")
     require(self.family == "llama" or self.tie_embeddings, s + "tie_embeddings",
             "gpt2-family models tie their embeddings", "set ModelConfig.tie_embeddings = True")
     require(self.family != "llama" or self.resolved_head_dim % 2 == 0, s + "head_dim",
@@ -237,8 +241,9 @@ class OptimizerConfig:
     require(self.z_loss >= 0, s + "z_loss", "must be >= 0", "1e-4 is the t5x default; 0 turns it off")
 
 
-SOURCES = ("builtin", "text", "seqio")
-VOCABS = ("byte", "sentencepiece")
+SOURCES = ("builtin", "text", "seqio", "prepared")
+ORIGINS = ("builtin", "text", "seqio", "tfds")  # what `midas data prepare` reads into a store
+VOCABS = ("byte", "sentencepiece", "tokenizers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,8 +252,17 @@ class DataConfig:
 
   source "builtin": the generated corpus (nothing downloaded); "text": local .txt/.jsonl/.gz files
   (train_files, eval_files: glob patterns); "seqio": a registered seqio Task (seqio_task), read
-  once into a local token cache of at most max_documents documents per split.
+  once into a local token cache of at most max_documents documents per split; "prepared": a token
+  store at prepared_dir written by `midas data prepare` (data/store/), read by index, every document
+  once per epoch.
   batch_size is the global number of rows per step.
+
+  What `midas data prepare` reads: prepared_from (with source "prepared"; otherwise the source
+  itself): "builtin", "text" (train_files / eval_files, also .parquet with the text in column
+  jsonl_field), "seqio" (seqio_task) or "tfds" (tfds_name, tfds_data_dir, the splits
+  tfds_train_split / tfds_eval_split, the text in feature tfds_text_feature). A run on a store checks
+  that the store was prepared with its vocabulary, and from these settings when prepared_from is set.
+  read_threads: parallel ranged reads of a store on gs:// (local stores are read in line).
 
   The UL2 mixture: each example is causal LM, prefix LM or span corruption with probabilities
   causal_rate, prefix_rate, span_rate (summing to 1; the MIDAS paper's 0.6 / 0.2 / 0.2). A span
@@ -256,6 +270,12 @@ class DataConfig:
   default is T5's R-denoiser (3.0, 0.15); gin/objectives/ul2_full.gin sets UL2's R and X set.
   mode_tokens prepends [NLU] (R), [NLG] (X) or [S2S] (prefix LM) to the inputs, as UL2 does.
   Sentinels and mode tokens are the top extra ids of the vocabulary (see data/objectives.py).
+
+  vocab: "byte", "sentencepiece" (spm_model: a .model file of any special-id layout) or "tokenizers"
+  (tokenizer: a tokenizer.json, or a directory holding one with its tokenizer_config.json). A
+  tokenizer's own ids are kept; extra_ids ids are appended above them for the special tokens it
+  lacks (data/vocab.py). tokenizer may also name the transformers tokenizer files of a SentencePiece
+  model (what `midas import` copies), which `midas export` then writes back.
   """
 
   source: str = "builtin"
@@ -264,6 +284,7 @@ class DataConfig:
   jsonl_field: str = "text"
   vocab: str = "byte"
   spm_model: Optional[str] = None
+  tokenizer: Optional[str] = None
   extra_ids: int = 128
   corpus_seed: int = 0
   seq_len: int = 256
@@ -281,6 +302,14 @@ class DataConfig:
   seqio_eval_split: str = "validation"
   max_documents: int = 100_000
   prefetch: int = 2
+  prepared_dir: Optional[str] = None
+  prepared_from: str = ""
+  tfds_name: Optional[str] = None
+  tfds_data_dir: Optional[str] = None
+  tfds_train_split: str = "train"
+  tfds_eval_split: str = "validation"
+  tfds_text_feature: str = "text"
+  read_threads: int = 16
 
   def __post_init__(self):
     s = "DataConfig."
@@ -306,8 +335,15 @@ class DataConfig:
     require(self.vocab != "sentencepiece" or bool(self.spm_model), s + "spm_model",
             "vocab='sentencepiece' needs a model file",
             "set DataConfig.spm_model, or train one with `midas data train-spm`")
-    require(self.source != "text" or len(self.train_files) > 0, s + "train_files",
-            "source='text' needs training files", "set DataConfig.train_files = ['path/*.txt']")
+    require(self.vocab != "tokenizers" or bool(self.tokenizer), s + "tokenizer",
+            "vocab='tokenizers' needs a tokenizer file",
+            "set DataConfig.tokenizer to a tokenizer.json or the directory that holds it")
+    require(self.vocab != "byte" or not self.tokenizer, s + "tokenizer",
+            "is set, but the byte vocabulary has no tokenizer files", "set DataConfig.vocab = 'tokenizers', or unset it")
+    require(self.origin != "text" or len(self.train_files) > 0, s + "train_files",
+            f"{'prepared_from' if self.source == 'prepared' else 'source'}='text' needs training files",
+            "set DataConfig.train_files = ['path/*.txt']")
+    self._check_prepared()
     require(self.seq_len >= 8, s + "seq_len", f"must be >= 8, got {self.seq_len}", "typical: 256 to 8192")
     require(self.batch_size > 0, s + "batch_size", "must be > 0", "set a positive global batch size")
     require(self.seed >= 0, s + "seed", f"must be >= 0, got {self.seed}", "use a non-negative integer")
@@ -315,6 +351,27 @@ class DataConfig:
             "128 leaves room for span-corruption sentinels and mode tokens")
     require(2 <= self.min_chunk <= self.seq_len, s + "min_chunk", "must be in [2, seq_len]",
             "16 is the default")
+
+  @property
+  def origin(self) -> str:
+    """The source a store is prepared from: prepared_from with source 'prepared', else the source."""
+    return self.prepared_from if self.source == "prepared" else self.source
+
+  def _check_prepared(self) -> None:
+    s = "DataConfig."
+    require(self.source != "prepared" or bool(self.prepared_dir), s + "prepared_dir",
+            "source='prepared' needs the store's folder",
+            "set DataConfig.prepared_dir to the --out of `midas data prepare` (a local path or gs:// URL)")
+    require(self.prepared_from in ("",) + ORIGINS, s + "prepared_from",
+            f"unknown source {self.prepared_from!r} to prepare from", f"use one of {ORIGINS}")
+    require(self.source == "prepared" or not self.prepared_from, s + "prepared_from",
+            f"set with source={self.source!r}", "set DataConfig.source = 'prepared', or leave prepared_from ''")
+    require(self.origin != "seqio" or bool(self.seqio_task), s + "seqio_task",
+            "preparing from seqio needs a task name", "set DataConfig.seqio_task to a registered seqio Task")
+    require(self.origin != "tfds" or bool(self.tfds_name), s + "tfds_name",
+            "preparing from TFDS needs a data set name", "set DataConfig.tfds_name, e.g. 'c4/en:3.0.1'")
+    require(self.read_threads >= 1, s + "read_threads", f"must be >= 1, got {self.read_threads}",
+            "16 suits a store on gs://")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +381,8 @@ class TrainerConfig:
   peak_flops_per_device: None takes a known accelerator's bf16 peak, or on CPU measures a matmul.
   progress_bar: None (the default) draws a bar on stderr only when stderr is a terminal; True
     draws it anyway (into a log file it redraws once a minute), False never.
+  profile_steps: (start, stop) writes a jax.profiler trace of steps start+1 .. stop under
+    <workdir>/profile (`midas train --profile=START:STOP`); None traces nothing.
   microbatches: gradient accumulation: each step's batch is split into this many microbatches whose
     gradients are summed in float32 inside the compiled step (the same loss and update as one pass
     over the whole batch, at the activation memory of one microbatch). DataConfig.batch_size must
@@ -342,6 +401,7 @@ class TrainerConfig:
   progress_bar: Optional[bool] = None
   microbatches: int = 1
   loss_chunk: int = 512
+  profile_steps: Optional[Tuple[int, int]] = None
 
   def __post_init__(self):
     s = "TrainerConfig."
@@ -349,6 +409,10 @@ class TrainerConfig:
             f"must be a positive int, got {self.microbatches!r}", "1 turns gradient accumulation off")
     require(isinstance(self.loss_chunk, int) and self.loss_chunk >= 0, s + "loss_chunk",
             f"must be an int >= 0, got {self.loss_chunk!r}", "512 is the default; 0 turns chunking off")
+    if self.profile_steps is not None:
+      ok = len(self.profile_steps) == 2 and 0 <= self.profile_steps[0] < self.profile_steps[1] <= self.num_steps
+      require(ok, s + "profile_steps", f"must be (start, stop) with 0 <= start < stop <= num_steps, got "
+              f"{self.profile_steps}", "trace a few steps after the first compile, e.g. (5, 8)")
     require(self.num_steps > 0, s + "num_steps", "must be > 0", "set the number of training steps")
     require(self.log_every > 0, s + "log_every", "must be > 0", "log every N >= 1 steps")
     require(self.eval_every >= 0, s + "eval_every", "must be >= 0", "0 turns periodic eval off")
@@ -390,8 +454,9 @@ class StackingConfig:
   """Growing depth in stages (MIDAS, GradStack, or a registered operator).
 
   num_stages: k, the number of stages; 1 (the default) trains at full depth throughout: the baseline.
-    Stage i has i blocks, so the last has num_stages * block_size = ModelConfig.num_layers layers.
-  block_size: b, layers per block; None means num_layers // num_stages.
+    Stage i has i blocks (start_blocks + i - 1 in general), so the last has num_stages * block_size =
+    ModelConfig.num_layers layers.
+  block_size: b, layers per block; None means num_layers // (num_stages + start_blocks - 1).
   operator: how a stage is grown from the previous one: "midas" (copy the middle block, ceil(n/2),
     right after itself), "gradstack" (copy the top block onto the top), or any name registered with
     midas_jax.stacking.operators.register_operator (e.g. the examples "fresh_block", "gstack").
@@ -402,6 +467,10 @@ class StackingConfig:
   lr_schedule: "global" (one schedule over all steps, growth does not touch it) or "rewarm" (after
     each growth the learning rate warms up again, linearly over rewarm_steps, to the global value).
   rewarm_steps: the re-warmup length; 0 means OptimizerConfig.warmup_steps.
+  start_blocks: blocks of the first stage (1: growth starts from one block). A run that starts from a
+    model at some depth, e.g. an imported pretrained one (CheckpointConfig.init_from), sets it to that
+    depth / block_size: stage i then has start_blocks + i - 1 blocks, and Prop-alpha gives it steps
+    proportional to that count to the alpha.
   """
 
   num_stages: int = 1
@@ -412,6 +481,7 @@ class StackingConfig:
   new_moments: str = "copy"
   lr_schedule: str = "global"
   rewarm_steps: int = 0
+  start_blocks: int = 1
 
   def __post_init__(self):
     s = "StackingConfig."
@@ -438,9 +508,13 @@ class StackingConfig:
             f"must be an int >= 0, got {self.rewarm_steps!r}", "0 reuses OptimizerConfig.warmup_steps")
     require(isinstance(self.operator, str) and bool(self.operator), s + "operator",
             f"must be an operator name, got {self.operator!r}", "use 'midas' or 'gradstack'")
+    require(isinstance(self.start_blocks, int) and self.start_blocks >= 1, s + "start_blocks",
+            f"must be a positive int, got {self.start_blocks!r}",
+            "use 1 to grow from one block, or the starting model's depth / block_size")
 
   def resolved_block_size(self, num_layers: int) -> int:
-    return self.block_size if self.block_size is not None else num_layers // self.num_stages
+    blocks = self.num_stages + self.start_blocks - 1  # of the last stage, when each stage adds one
+    return self.block_size if self.block_size is not None else num_layers // blocks
 
   def resolved_rewarm_steps(self, warmup_steps: int) -> int:
     return self.rewarm_steps or warmup_steps

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -55,19 +55,20 @@ def known_peak_flops(device: Union[Any, str]) -> Optional[float]:
 
 
 def matmul_peak_sampler(dtype: str = "float32", accum_dtype: Optional[str] = None,
-                        size: int = 2048) -> Callable[[int], float]:
-  """A compiled, warmed-up matmul probe: sample(repeats) -> FLOP/s per local device, the median of
+                        size: int = 2048, devices: Optional[Sequence[Any]] = None) -> Callable[[int], float]:
+  """A compiled, warmed-up matmul probe: sample(repeats) -> FLOP/s per device, the median of
   `repeats` timed runs of size x size operands of `dtype`, accumulated and returned in `accum_dtype`
-  (None: in `dtype`).
+  (None: in `dtype`), on `devices` (None: every local device).
 
-  Every local device multiplies its own pair at once (one sharded batched matmul), and the result
-  is divided by the device count, so on a host split into N devices the figure is each device's
-  share of the machine, not one device's speed with the rest idle. Each time includes dispatch, as
-  a training step's does. Sampling between the steps of a benchmark lets the peak see the same
+  Every device multiplies its own pair at once (one sharded batched matmul), and the result is
+  divided by the device count, so on a host split into N devices the figure is each device's share
+  of the machine, not one device's speed with the rest idle. Each time includes dispatch, as a
+  training step's does. Sampling between the steps of a benchmark lets the peak see the same
   machine load as the steps do (the cores may be shared).
   """
   require(size > 0, "matmul_peak_sampler", f"size={size}", "pass a positive size")
-  devices = jax.local_devices()
+  devices = list(jax.local_devices() if devices is None else devices)
+  require(len(devices) > 0, "matmul_peak_sampler", "no devices given", "pass devices=None for all local ones")
   n = len(devices)
   in_dtype = jnp.dtype(dtype)
   out_dtype = jnp.dtype(accum_dtype) if accum_dtype is not None else in_dtype

@@ -32,17 +32,20 @@ def _mlp_matrices(cfg: ModelConfig) -> int:
 def param_counts(cfg: ModelConfig, num_layers: Optional[int] = None) -> Dict[str, int]:
   """Parameters by part. num_layers overrides cfg.num_layers (depth changes as a model grows).
 
-  llama: RMSNorm scales only, no biases, untied head unless tie_embeddings. gpt2: LayerNorm scale and
-  bias, biases on every projection, learned positions, tied head. non_embedding excludes the token
-  and position tables but keeps an untied head (it is a matmul like any other layer).
+  llama: RMSNorm scales only, no biases (but q, k, v biases with qkv_bias), untied head unless
+  tie_embeddings. gpt2: LayerNorm scale and bias, biases on every projection, learned positions, tied
+  head. non_embedding excludes the token and position tables but keeps an untied head (it is a matmul
+  like any other layer).
   """
   d, vocab = cfg.d_model, _vocab(cfg)
   layers = cfg.num_layers if num_layers is None else num_layers
   gpt2 = cfg.family == "gpt2"
   attention = _attention_matrices(cfg)
   mlp = _mlp_matrices(cfg)
+  if gpt2 or cfg.qkv_bias:
+    attention += (cfg.num_heads + 2 * cfg.kv_heads) * cfg.resolved_head_dim  # q, k, v biases
   if gpt2:
-    attention += (cfg.num_heads + 2 * cfg.kv_heads) * cfg.resolved_head_dim + d  # q, k, v, o biases
+    attention += d  # the output projection's bias
     mlp += cfg.d_ff + d
   norm = 2 * d if gpt2 else d  # LayerNorm has scale and bias; RMSNorm a scale
   counts = {
@@ -72,6 +75,17 @@ def matmul_params(cfg: ModelConfig, num_layers: Optional[int] = None) -> int:
   return layers * (_attention_matrices(cfg) + _mlp_matrices(cfg)) + cfg.d_model * _vocab(cfg)
 
 
+def layer_applications(cfg: ModelConfig, num_layers: Optional[int] = None) -> int:
+  """Layers a token passes through: the stored depth plus every extra pass of a looped block.
+
+  num_layers overrides the stored depth cfg.num_layers (a growing run's stage depth); the loop
+  (ModelConfig.loop_*) applies its loop_size tied layers loop_repeats times at any depth, so its
+  extra passes count whether or not the depth is overridden.
+  """
+  layers = cfg.num_layers if num_layers is None else num_layers
+  return layers + cfg.loop_size * (cfg.loop_repeats - 1)
+
+
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, num_layers: Optional[int] = None) -> float:
   """Model FLOPs of one training token (forward + backward), the MFU numerator per token.
 
@@ -80,10 +94,10 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, num_layers: Optional[i
   scores (QK^T) and values (AV). That attention term counts the full seq_len x seq_len matrix; a
   kernel that skips the masked half under causal attention does half that work, so MFU read by
   this convention is the customary one, not the work a causal kernel does. Recomputation under
-  remat is not counted (that would be hardware FLOPs, not model FLOPs).
+  remat is not counted (that would be hardware FLOPs, not model FLOPs). num_layers overrides the
+  stored depth, as in layer_applications.
   """
-  # A looped model applies its tied block loop_repeats times: count every application.
-  layers = cfg.num_layers + cfg.loop_size * (cfg.loop_repeats - 1) if num_layers is None else num_layers
+  layers = layer_applications(cfg, num_layers)  # a looped block's repeats cost as much as distinct layers
   attention = 2 * layers * seq_len * cfg.num_heads * cfg.resolved_head_dim
   return 6.0 * (matmul_params(cfg, layers) + attention)
 

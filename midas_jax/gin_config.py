@@ -16,7 +16,7 @@ from typing import Iterable, List, Sequence
 
 import gin
 
-from midas_jax import configs
+from midas_jax import configs, fs
 from midas_jax.errors import ConfigError
 from midas_jax.stacking import checks as stacking_checks
 
@@ -40,6 +40,11 @@ def register_configurables() -> None:
 
 
 def _resolve_file(path: str) -> str:
+  path = fs.check(path, "--gin_file")
+  if fs.is_remote(path):
+    if not fs.isfile(path):
+      raise ConfigError("--gin_file", f"no gin file {path!r}", "pass the URL of an existing gin file")
+    return path
   if os.path.isfile(path):
     return path
   for root in gin_search_paths():
@@ -108,9 +113,11 @@ def parse(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
   gin.clear_config()
   for root in gin_search_paths():
     gin.add_config_file_search_path(root)
-  files = [_resolve_file(f) for f in gin_files]
   try:
-    with _quiet_include_search():
+    with _quiet_include_search(), contextlib.ExitStack() as stack:
+      # gin opens files itself: a gs:// gin file is read from a local copy (its includes resolve
+      # against the search paths, not the bucket)
+      files = [stack.enter_context(fs.local_copy(_resolve_file(f))) for f in gin_files]
       gin.parse_config_files_and_bindings(files, [_quote_bare_string(b) for b in bindings])
   except ConfigError:
     raise

@@ -10,6 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import dataclasses  # noqa: E402
+import random  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -34,6 +35,19 @@ def tiny_run(model=None, mesh=None, optimizer=None, data=None, trainer=None) -> 
       trainer=trainer or configs.TrainerConfig(num_steps=4, log_every=2, eval_every=2, eval_batches=1,
                                                progress_bar=False, peak_flops_per_device=1e11),
   )
+
+
+# tests/test_kill_resume.py kills runs at random times drawn from this seed: a fresh one every
+# session, so CI explores new kill points; the report header prints it, and MIDAS_KILL_SEED=<seed>
+# replays a failure's kills (the same trigger lines and delays). Drawn once by the pytest process
+# and put in the environment, so that its worker processes (pytest-xdist) kill with the same seed.
+os.environ.setdefault("MIDAS_KILL_SEED", str(random.SystemRandom().randrange(2 ** 31)))
+KILL_SEED = int(os.environ["MIDAS_KILL_SEED"])
+
+
+def pytest_report_header(config):
+  del config
+  return f"kill seed: {KILL_SEED} (replay the random SIGKILLs with MIDAS_KILL_SEED={KILL_SEED})"
 
 
 def ul2_rows(seed: int, num_rows: int, seq_len: int, vocab_size: int = 300):
@@ -78,6 +92,28 @@ def pytest_configure(config):
   os.environ["MIDAS_JAX_CACHE_DIR"] = cache  # what the CLI's enable_compilation_cache() reads
   jax.config.update("jax_compilation_cache_dir", cache)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+@pytest.fixture(scope="session")
+def gcs():
+  """A GCS emulator for the session (tests/gcs_emulator.py); `gcs.new_bucket()` gives a gs:// URL."""
+  from gcs_emulator import Emulator  # pylint: disable=import-outside-toplevel
+  emulator = Emulator().start()
+  yield emulator
+  emulator.stop()
+
+@pytest.fixture
+def no_compile_cache(monkeypatch):
+  """For benchmark tests: compiles are timed cold, as `midas bench` times them (it never enables the
+  persistent cache), not served from the session's cache by an earlier test's identical program."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("MIDAS_JAX_CACHE_DIR", "off")  # what cli.enable_compilation_cache reads
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # jax decides once whether the cache is used; ask it again
+  yield
+  jax.config.update("jax_enable_compilation_cache", True)
+  compilation_cache.reset_cache()
 
 
 @pytest.fixture(autouse=True)

@@ -217,11 +217,26 @@ def test_init_from_an_export_starts_a_new_run_from_its_parameters(reference, tmp
     loop.train(shallow, str(tmp_path / "bad"))
 
 
-def test_bench_checkpoint_measures_size_and_stall(tmp_path, capsys):
+def test_bench_checkpoint_measures_size_and_stall(tmp_path, no_compile_cache):
   from midas_jax.bench import checkpoint_bench  # pylint: disable=import-outside-toplevel
-  config = stacked_run(stacking=configs.StackingConfig())
+  # The stall target (< 1 step) is the benchmark's to report, measured in its own run; here the report's
+  # figures must be measured, consistent with each other, and the saved bytes those of the state.
+  config = stacked_run(stacking=configs.StackingConfig(), data=configs.DataConfig(seq_len=32, batch_size=8))
   report = checkpoint_bench.run(config, str(tmp_path), window=2, repeats=1)
-  assert report["checkpoint_bytes"] > 3 * 4 * report["params"]  # f32 params and two Adam moments
-  assert report["step_seconds"] > 0 and np.isfinite(report["async_stall_steps"])
-  assert 0 < report["async_blocking_seconds"] < report["sync_save_seconds"] + 1.0
+  # f32 params and two Adam moments, of the one timed save (not the untimed one beside it).
+  assert 3 * 4 * report["params"] < report["checkpoint_bytes"] < 2 * 3 * 4 * report["params"]
+  assert report["async_blocking_seconds"] > 0 and report["sync_save_seconds"] > 0 and report["step_seconds"] > 0
+  assert report["async_stall_steps"] == report["async_stall_seconds"] / report["step_seconds"]
   assert "async stall" in checkpoint_bench.format_report(report)
+
+
+def test_a_setting_added_since_the_save_reads_as_its_default():
+  from midas_jax.checkpoint import metadata as metadata_lib  # pylint: disable=import-outside-toplevel
+  config = configs.RunConfig(model=tiny_model(vocab_size=512), data=configs.DataConfig(seq_len=32))
+  new = metadata_lib.config_to_dict(config)
+  saved = json.loads(json.dumps(new))
+  del saved["model"]["qkv_bias"], saved["stacking"]["start_blocks"]  # as a save from before they existed
+  assert metadata_lib.check_resumable(saved, new) == []
+  saved["model"]["d_ff"] = 128
+  with pytest.raises(ConfigError, match="model.d_ff"):
+    metadata_lib.check_resumable(saved, new)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -35,16 +36,39 @@ def test_python_m_midas_jax_train_end_to_end(tmp_path):
   assert {l["split"] for l in lines} == {"train", "eval"}
 
 
-def test_bench_train_reports_mfu_against_a_same_run_peak(capsys, tmp_path):
+def _printed(pattern, text):
+  """The numbers a regex captures in the printed report (thousands separators dropped)."""
+  match = re.search(pattern, text)
+  assert match, (pattern, text)
+  return [float(g.replace(",", "")) for g in match.groups()]
+
+
+def test_bench_train_reports_mfu_against_a_same_run_peak(capsys, tmp_path, no_compile_cache):
   out = tmp_path / "bench.json"
   rc = cli.main(["bench", "train", f"--gin_file={DEMO}", "--steps=2", "--warmup=1", "--peak_size=256", f"--json={out}",
                  *TINY_BINDINGS])
   assert rc == 0
   text = capsys.readouterr().out
-  assert "peak float32" in text and "peak bfloat16_f32_accum" in text and "MFU" in text
   report = json.loads(out.read_text())
-  assert report["mfu"] > 0 and report["tokens_per_second"] > 0
-  assert report["mfu_denominator"] == "bfloat16_f32_accum"  # the demo computes in bf16
+  achieved, peaks, ratios = report["achieved_flops_per_device"], report["peak_flops_per_device"], report["peak_ratios"]
+  # TrainerConfig.peak_flops_per_device (1e11 in TINY_BINDINGS) is the MFU denominator, as in training.
+  assert report["mfu_denominator"] == "override" and peaks["override"] == 1e11
+  assert report["mfu"] == pytest.approx(achieved / 1e11, rel=1e-12)
+  assert report["compute_peak"] == "bfloat16_f32_accum"  # the demo computes in bf16
+  tokens = 8 * 32  # batch x seq_len of TINY_BINDINGS
+  assert report["tokens_per_second"] == pytest.approx(tokens / report["step_seconds_median"], rel=1e-12)
+  assert achieved == pytest.approx(report["model_flops_per_step"] / report["step_seconds_median"] / 8, rel=1e-12)
+  for name in ("float32", "bfloat16_f32_accum", "override"):
+    assert ratios[name] == pytest.approx(achieved / peaks[name], rel=1e-12), name
+  # The printed figures agree to their rounding: GFLOP/s to 0.005, percentages to 0.005 points.
+  printed_achieved, = _printed(r"([\d,.]+) GFLOP/s per device \(model FLOPs\)", text)
+  for name in ("float32", "bfloat16_f32_accum", "override"):
+    peak, ratio = _printed(rf"peak {name} +([\d,.]+) GFLOP/s per device .*-> ratio ([\d.]+)%", text)
+    low = (printed_achieved - 0.005) / (peak + 0.005) * 100 - 0.005
+    high = (printed_achieved + 0.005) / max(peak - 0.005, 1e-9) * 100 + 0.005
+    assert low <= ratio <= high, (name, printed_achieved, peak, ratio)
+  mfu, = _printed(r"MFU +([\d.]+)% of the override peak", text)
+  assert mfu == pytest.approx(ratios["override"] * 100, abs=0.005 + 1e-9)
 
 
 def test_write_corpus(tmp_path, capsys):

@@ -6,7 +6,9 @@ import pytest
 
 from midas_jax.configs import ModelConfig
 from midas_jax.errors import ConfigError
-from midas_jax.flops import forward_flops_per_token, matmul_params, param_counts, train_flops_per_token
+from midas_jax.flops import (forward_flops_per_token, layer_applications, matmul_params, param_counts,
+                             train_flops_per_token)
+from midas_jax.stacking import schedule as sched
 
 GPT2_SMALL = ModelConfig(family="gpt2", vocab_size=50257, d_model=768, num_layers=12, num_heads=12,
                          d_ff=3072, max_seq_len=1024)
@@ -39,6 +41,8 @@ def test_llama_gqa_by_hand():
   tied = param_counts(dataclasses.replace(LLAMA, tie_embeddings=True))
   assert tied["head"] == 0 and tied["total"] == total - 256 * 64
   assert tied["non_embedding"] == total - 2 * 256 * 64
+  biased = param_counts(dataclasses.replace(LLAMA, qkv_bias=True))  # Qwen2: biases on q, k and v only
+  assert biased["attention_per_layer"] == attention + 64 + 2 * 32 and biased["mlp_per_layer"] == mlp
 
 
 def test_num_layers_override_and_missing_vocab():
@@ -72,3 +76,36 @@ def test_train_flops_scaling():
   # Long-context check: at short length 6N dominates; at seq = 6N/(12 L H hd) attention equals it.
   seq_equal = 6 * matmul_params(LLAMA) / (12 * 3 * 4 * 16)
   assert f(int(seq_equal)) == pytest.approx(2 * 6 * matmul_params(LLAMA), rel=1e-3)
+
+
+# The looping test's model (tests/test_looping.py) at vocab 512: d 32, 4 query heads and 2 kv heads
+# of 8, d_ff 64, trained on rows of 32 tokens.
+TINY = ModelConfig(family="llama", vocab_size=512, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                   d_ff=64, max_seq_len=128)
+TINY_LAYER = 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64  # q, o; k, v; gate, up, down: 9216 weights
+TINY_ATTENTION = 2 * 32 * 4 * 8  # QK^T and AV per token per layer at seq 32
+TINY_HEAD = 32 * 512
+
+
+def test_a_looped_block_counts_every_application():
+  looped = dataclasses.replace(TINY, loop_start=1, loop_size=1, loop_repeats=2)  # layers 0, 1, 1, 2
+  by_hand = 6 * (4 * (TINY_LAYER + TINY_ATTENTION) + TINY_HEAD)
+  assert by_hand == 368_640
+  assert layer_applications(looped) == 4
+  assert train_flops_per_token(looped, 32) == by_hand
+  # The stored depth given explicitly (as the train loop and the stage schedule do) counts the same.
+  assert train_flops_per_token(looped, 32, num_layers=3) == by_hand
+  assert param_counts(looped) == param_counts(TINY)  # the loop ties weights: nothing more is stored
+
+
+def test_a_grown_then_looped_model_counts_the_loop_at_every_depth():
+  # Grown from 2 to 4 layers with layer 1 applied twice throughout: 3, then 5 applications.
+  looped = dataclasses.replace(TINY, num_layers=4, loop_start=1, loop_size=1, loop_repeats=2)
+  depth_2, depth_4 = (6 * (n * (TINY_LAYER + TINY_ATTENTION) + TINY_HEAD) for n in (3, 5))
+  assert (depth_2, depth_4) == (301_056, 436_224)
+  assert train_flops_per_token(looped, 32, num_layers=2) == depth_2
+  assert train_flops_per_token(looped, 32, num_layers=4) == depth_4
+  schedule = sched.StageSchedule((3, 5), 2)
+  tokens = 8 * 32
+  assert sched.cumulative_flops(looped, 32, tokens, schedule, 4) == tokens * (3 * depth_2 + depth_4)
+  assert sched.flop_speedup(looped, 32, schedule) == pytest.approx(8 * depth_4 / (3 * depth_2 + 5 * depth_4))

@@ -4,6 +4,8 @@ never interrupted, and logs the same metrics for every step.
 
 Each kill is triggered by a line the run prints (a step's log line, a save starting, a growth),
 optionally after a random delay, so the kill lands at an arbitrary point of the work that follows.
+The random kills draw from a seed that is new every session (conftest.KILL_SEED, printed in the
+report header and in every failure; MIDAS_KILL_SEED=<seed> replays it).
 """
 
 import os
@@ -18,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import KILL_SEED, REPO_ROOT
 from midas_jax.checkpoint import available_steps, load_model
 from midas_jax.train.metrics import read_metrics
 
@@ -48,6 +50,7 @@ CheckpointConfig.every = 3
 CheckpointConfig.keep = 3
 """
 BOUNDARY = 8
+STEP_LINE = r"step \d+ (train|stage)"  # a step's log line, or the growth's
 TRACKED = ("loss", "grad_norm", "learning_rate", "stage", "depth", "cumulative_flops")
 
 
@@ -60,20 +63,25 @@ def harness(tmp_path_factory):
              XLA_FLAGS="--xla_force_host_platform_device_count=8",
              MIDAS_JAX_CACHE_DIR=str(root / "xla_cache"))
 
-  def run(workdir, trigger=None, delay=0.0, sig=signal.SIGKILL):
-    """Runs `midas train` until `trigger` (a regex) shows in its output, then signals it after
-    `delay` seconds. Returns (signalled, output)."""
+  def run(workdir, trigger=None, delay=0.0, sig=signal.SIGKILL, nth=1):
+    """Runs `midas train` until `trigger` (a regex) shows in its output for the `nth` time, then
+    signals it after `delay` seconds. Returns (signalled, output)."""
     cmd = [sys.executable, "-u", "-m", "midas_jax", "train", f"--gin_file={gin_file}", f"--workdir={workdir}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=REPO_ROOT)
-    lines = []
+    lines, seen = [], 0
     for line in proc.stdout:
       lines.append(line)
-      if trigger and re.search(trigger, line):
+      seen += bool(trigger and re.search(trigger, line))
+      if trigger and seen == nth:
         time.sleep(delay)
         proc.send_signal(sig)
         rest, _ = proc.communicate(timeout=120)
-        return True, "".join(lines) + rest
+        output = "".join(lines) + rest
+        assert sig != signal.SIGKILL or proc.returncode == -signal.SIGKILL, (
+            f"the run ended (rc {proc.returncode}) before the kill {delay:.2f} s after {trigger!r} landed:\n"
+            + output[-2000:])
+        return True, output
     proc.wait(timeout=120)
     output = "".join(lines)
     assert proc.returncode == 0, output[-3000:]
@@ -100,29 +108,51 @@ def assert_identical_runs(workdir, reference):
   assert [r["step"] for r in read_metrics(workdir, "stage")] == [BOUNDARY]
 
 
-def kill_and_finish(run, workdir, kills):
-  """Applies each (trigger, delay) kill in turn, restarting after each, then runs to the end."""
-  for trigger, delay in kills:
-    signalled, output = run(workdir, trigger, delay)
-    assert signalled, f"the run ended before {trigger!r} showed:\n{output[-2000:]}"
+def kill_and_finish(run, workdir, kills, note=""):
+  """Applies each kill (trigger, delay[, nth]) in turn, restarting after each, then runs to the end."""
+  for kill in kills:
+    signalled, output = run(workdir, *kill[:2], nth=kill[2] if len(kill) > 2 else 1)
+    assert signalled, f"the run ended before {kill[0]!r} showed{note}:\n{output[-2000:]}"
   signalled, output = run(workdir)
   assert not signalled
   return output
 
 
+def random_kill(rng, step_seconds, max_lines=4):
+  """A kill at a random time: a random delay of up to two steps (as the reference run timed them)
+  after the 1st to max_lines-th step the restarted run logs, so it lands at any point of a step, a
+  save or a growth. Counted from the restart, the trigger shows wherever the last kill landed."""
+  return STEP_LINE, rng.uniform(0.0, 2 * step_seconds), rng.randint(1, max_lines)
+
+
+def reference_step_seconds(reference) -> float:
+  return float(np.median([r["step_seconds"] for r in read_metrics(reference, "train") if "step_seconds" in r]))
+
+
+def replay_note(seed) -> str:
+  return f" (random kills of seed {seed}: replay with MIDAS_KILL_SEED={seed})"
+
+
 def test_sigkill_at_five_points_then_resume_is_bitwise_exact(harness, tmp_path):
+  """Three fixed kill points, then two at random times drawn from the session's seed (conftest.py)."""
   run, reference = harness
-  rng = random.Random(int(os.environ.get("MIDAS_KILL_SEED", "0")))
+  rng = random.Random(KILL_SEED)
+  step_seconds = reference_step_seconds(reference)
   kills = [
       (r"checkpoint: saving step 3\b", 0.0),  # mid-save: the async write of step 3 in flight
-      (rf"step {rng.randint(4, 6)} train", rng.uniform(0.0, 0.3)),  # somewhere mid-step
       (rf"step {BOUNDARY - 1} train", 0.0),  # just before the stage transition
       (rf"step {BOUNDARY} stage", 0.0),  # just after it: the grown state's save in flight
-      (rf"step {rng.randint(BOUNDARY + 2, 20)} train", rng.uniform(0.0, 0.3)),
+      random_kill(rng, step_seconds),  # resumed from step 6 or 8: early in stage 2
+      random_kill(rng, step_seconds),
   ]
-  output = kill_and_finish(run, str(tmp_path / "run"), kills)
-  assert "resuming from the checkpoint of step" in output
-  assert_identical_runs(str(tmp_path / "run"), reference)
+  note = replay_note(KILL_SEED)
+  print(f"kills {kills}{note}")
+  output = kill_and_finish(run, str(tmp_path / "run"), kills, note)
+  assert "resuming from the checkpoint of step" in output, note
+  try:
+    assert_identical_runs(str(tmp_path / "run"), reference)
+  except AssertionError as e:
+    raise AssertionError(f"{e}\n{note}") from e
 
 
 def test_sigterm_saves_and_stops_cleanly_and_the_same_command_resumes(harness, tmp_path):
@@ -138,11 +168,19 @@ def test_sigterm_saves_and_stops_cleanly_and_the_same_command_resumes(harness, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(4))
-def test_sigkill_at_random_times(harness, tmp_path, seed):
+@pytest.mark.parametrize("index", range(4))
+def test_sigkill_at_random_times(harness, tmp_path, index):
+  """A soak test (-m slow): five kills at random times per run, four runs (each kill advances the
+  run by at most about four steps, so the last still lands before step 24)."""
   run, reference = harness
+  seed = KILL_SEED + index
   rng = random.Random(seed)
-  steps = sorted(rng.sample(range(1, 24), 6))
-  kills = [(rf"step {s} (train|stage)", rng.uniform(0.0, 0.5)) for s in steps]
-  kill_and_finish(run, str(tmp_path / "run"), kills)
-  assert_identical_runs(str(tmp_path / "run"), reference)
+  step_seconds = reference_step_seconds(reference)
+  kills = [random_kill(rng, step_seconds, max_lines=2) for _ in range(5)]
+  note = replay_note(seed)
+  print(f"kills {kills}{note}")
+  kill_and_finish(run, str(tmp_path / "run"), kills, note)
+  try:
+    assert_identical_runs(str(tmp_path / "run"), reference)
+  except AssertionError as e:
+    raise AssertionError(f"{e}\n{note}") from e

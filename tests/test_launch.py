@@ -38,16 +38,17 @@ def test_tpu_pod_up_creates_installs_runs_on_every_worker_and_follows():
   assert "--worker=all" in scp and scp[5] == tar[2]
   assert "--worker=all" in install and "pip install -q -e '.[data,tpu]'" in install[-3]
   run = next(a for a in start if a.startswith("--command="))
-  assert "--worker=all" in start and "nohup python3 -m midas_jax " + shlex.join(MIDAS) in run
+  assert "--worker=all" in start and "systemd-run --unit=midas-midas" in run
+  assert run.endswith("python3 -m midas_jax " + shlex.join(MIDAS))
   assert "--coordinator_address" not in run  # TPU VMs are found from their metadata
-  assert "--worker=0" in follow and any("tail --pid=" in a for a in follow)
+  assert "--worker=0" in follow and any("journalctl --unit=midas-midas --follow" in a for a in follow)
   assert any("does not exist yet" in n for n in notes)
 
 
 @pytest.mark.parametrize("action,verb,expected", [
-    ("stop", "ssh", "kill -TERM $(cat ~/midas_logs/midas.pid)"),
+    ("stop", "ssh", "systemctl kill --signal=SIGTERM midas-midas"),
     ("delete", "delete", "--quiet"),
-    ("logs", "ssh", "tail --pid=$(cat ~/midas_logs/midas.pid) -n +1 -F ~/midas_logs/midas.log"),
+    ("logs", "ssh", "journalctl --unit=midas-midas --follow --lines=all"),
 ])
 def test_tpu_pod_single_actions(action, verb, expected):
   _, cmds = dry_run("tpu_pod.py", action, "--dry-run", "--name=pod", "--zone=z")
@@ -71,6 +72,36 @@ def test_slurm_writes_one_task_per_gpu_and_submits():
   assert "source /opt/venv/bin/activate" in script
   srun = [l for l in script if l.startswith("srun ")]
   assert len(srun) == 1 and srun[0].endswith("python -m midas_jax " + shlex.join(MIDAS))
+
+
+GS_MIDAS = ["train", "--gin_file=gin/experiments/midas_cpu.gin", "--workdir=gs://bucket/runs/x"]
+WORKER_FILES = re.compile(r"(>\s*\S|nohup|\.log\b|\.pid\b|mkdir -p ~/midas_logs|tee )")
+
+
+def test_tpu_pod_passes_env_and_a_gs_workdir_and_writes_nothing_on_the_workers():
+  notes, cmds = dry_run("tpu_pod.py", "run", "--dry-run", "--name=pod", "--zone=z", "--env=FOO=bar baz",
+                        "--env=JAX_TRACEBACK_FILTERING=off", "--", *GS_MIDAS)
+  start = next(a for a in cmds[0] if a.startswith("--command="))
+  assert "--setenv='FOO=bar baz'" in start or "'--setenv=FOO=bar baz'" in start
+  assert "--setenv=JAX_TRACEBACK_FILTERING=off" in start
+  assert start.endswith("python3 -m midas_jax " + shlex.join(GS_MIDAS))  # the URL as it was given
+  for cmd in cmds:  # the run's output goes to the journal and the bucket, never a file on a worker
+    assert not any(WORKER_FILES.search(a.replace("2>/dev/null", "")) for a in cmd if a.startswith("--command=")), cmd
+  assert not any("is a path on each" in n for n in notes)
+  notes, _ = dry_run("tpu_pod.py", "run", "--dry-run", "--name=pod", "--zone=z", "--", *MIDAS)
+  assert any("is a path on each worker" in n for n in notes)  # a local workdir is pointed out
+
+
+def test_slurm_and_local_pass_env():
+  notes, _ = dry_run("slurm.py", "--dry-run", "--env=A=1", "--env=B=x y", "--", *GS_MIDAS)
+  script = [n[len("#   "):] for n in notes if n.startswith("#   ")]
+  assert "export A=1" in script and "export B='x y'" in script
+  assert script[-1].endswith(shlex.join(GS_MIDAS))
+  _, cmds = dry_run("local.py", "--dry-run", "--num_processes=2", "--env=A=1", "--", *GS_MIDAS)
+  assert all(c[0] == "env" and "A=1" in c for c in cmds)
+  proc = subprocess.run([sys.executable, "launch/local.py", "--dry-run", "--env=1A=x", "--", *MIDAS],
+                        cwd=REPO_ROOT, capture_output=True, text=True)
+  assert proc.returncode == 2 and "--env=1A=x" in proc.stderr
 
 
 def test_slurm_refuses_a_task_count_that_splits_gpus_unevenly():

@@ -1,5 +1,6 @@
 """Looped models: a tied block applied several times, in training and at evaluation."""
 
+import dataclasses
 import json
 
 import jax
@@ -47,12 +48,41 @@ def test_looped_forward_repeats_the_tied_block_and_its_gradient_sums():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), grads, expected)
 
 
-def test_training_a_looped_model(tmp_path):
-  model = tiny_model(num_layers=3, loop_start=1, loop_size=1, loop_repeats=2)
-  config = tiny_run(model=model, trainer=configs.TrainerConfig(num_steps=6, log_every=3, eval_every=0,
-                                                               progress_bar=False, peak_flops_per_device=1e11))
-  loop.train(config, str(tmp_path))
+# Per token of the tiny llama (d 32, 4 heads of 8, 2 kv heads, d_ff 64, vocab 512) at seq 32, by hand:
+# a layer application is 6 * (9216 matmul weights + 2 * 32 * 4 * 8 attention), the head 6 * 32 * 512.
+LAYER_FLOPS, HEAD_FLOPS = 6 * (9216 + 2048), 6 * 32 * 512
+TOKENS_PER_STEP = 8 * 32
+PEAK = 1e11 * 8  # TrainerConfig.peak_flops_per_device over the 8 simulated devices
+
+
+def assert_flops_by_hand(rows, applications_at_step):
+  """Each logged cumulative_flops is the sum of every step's layer applications by hand, and MFU
+  is the logged step's FLOPs over its logged time and the peak."""
+  for row in rows:
+    spent = sum(TOKENS_PER_STEP * (applications_at_step(s) * LAYER_FLOPS + HEAD_FLOPS) for s in range(row["step"]))
+    assert row["cumulative_flops"] == spent, row
+    if "mfu" in row:
+      step_flops = TOKENS_PER_STEP * (applications_at_step(row["step"] - 1) * LAYER_FLOPS + HEAD_FLOPS)
+      assert row["mfu"] == pytest.approx(step_flops / row["step_seconds"] / PEAK, rel=1e-9), row
+
+
+def test_training_a_looped_model_and_growing_it(tmp_path):
+  """Stage 1 trains a looped model of 2 layers with layer 1 applied twice (0, 1, 1); MIDAS growth
+  then makes it 4 layers, still looping layer 1 (0, 1, 1, 2, 3): 3, then 5 layer applications are
+  counted in the FLOPs, while 4 unique layers are stored."""
+  model = tiny_model(num_layers=4, loop_start=1, loop_size=1, loop_repeats=2)
+  config = dataclasses.replace(
+      tiny_run(model=model, trainer=configs.TrainerConfig(num_steps=6, log_every=1, eval_every=0,
+                                                          progress_bar=False, peak_flops_per_device=1e11)),
+      stacking=configs.StackingConfig(num_stages=2, stage_steps=(3, 3)))
+  result = loop.train(config, str(tmp_path))
+  assert [g["step"] for g in result.growths] == [3]
   rows = read_metrics(str(tmp_path), "train")
   assert rows[-1]["loss"] < rows[0]["loss"]
-  # Five layer applications are counted in the FLOPs, three unique layers are stored.
-  assert json.loads((tmp_path / "config.json").read_text())["model"]["num_layers"] == 3
+  assert [r["depth"] for r in rows] == [2, 2, 2, 4, 4, 4]
+  saved = json.loads((tmp_path / "config.json").read_text())["model"]
+  assert saved["num_layers"] == 4 and saved["vocab_size"] == 512
+  # 301,056 and 436,224 per token; without the loop counted, 233,472 and 368,640.
+  assert (3 * LAYER_FLOPS + HEAD_FLOPS, 5 * LAYER_FLOPS + HEAD_FLOPS) == (301_056, 436_224)
+  assert_flops_by_hand(rows, lambda step: 3 if step < 3 else 5)
+  assert {r["depth"] for r in rows if "mfu" in r} == {2, 4}  # MFU checked in both stages

@@ -82,6 +82,16 @@ def test_tensorboard_events_per_split(tmp_path):
   assert read_tb_scalars(tmp_path / "tensorboard" / "eval") == {"loss": [(2, 2.75)]}
 
 
+def test_a_resume_drops_redone_steps_from_jsonl_and_tensorboard(tmp_path):
+  with MetricWriter(str(tmp_path), stdout=False) as w:
+    for step in (1, 2, 3):
+      w.write(step, "train", {"loss": float(step)})
+  with MetricWriter(str(tmp_path), stdout=False, resume_step=2) as w:  # step 3 is trained again
+    w.write(3, "train", {"loss": 30.0})
+  assert [(r["step"], r["loss"]) for r in read_metrics(str(tmp_path))] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+  assert read_tb_scalars(tmp_path / "tensorboard" / "train")["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 def test_stdout_line(tmp_path, capsys):
   with MetricWriter(str(tmp_path), tensorboard=False) as w:
     w.write(100, "train", {"loss": 3.2141, "lr": 1e-3, "tokens/s": 12345.0, "mfu": 0.312})

@@ -21,6 +21,7 @@ import numpy as np
 from conftest import REPO_ROOT
 from midas_jax import cli
 from midas_jax.checkpoint import available_steps, checkpoint_dir, load_model
+from midas_jax.train.metrics import read_metrics
 
 NUM_STEPS = 6  # steps 0-2 at depth 2, growth at step 3, steps 3-5 at depth 4
 GROWTH_STEP, REWIND_TO = 3, 2
@@ -60,14 +61,12 @@ def train_two_processes(workdir, cache_dir) -> str:
 
 
 def train_losses(workdir) -> dict:
-  """step -> loss; a resumed run may log a step twice, and its last line counts."""
-  losses = {}
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    for line in f:
-      row = json.loads(line)
-      if row.get("split") == "train":
-        losses[row["step"]] = row["loss"]
-  return losses
+  """step -> loss, checking that every step is logged exactly once: a resumed run truncates the
+  metrics after its checkpoint, so the steps it redoes must not appear twice."""
+  steps = [r["step"] for r in read_metrics(workdir, "train")]
+  repeated = sorted({s for s in steps if steps.count(s) > 1})
+  assert not repeated, f"train steps logged more than once in {workdir}: {repeated} (all: {steps})"
+  return {r["step"]: r["loss"] for r in read_metrics(workdir, "train")}
 
 
 def assert_same_params(a, b):
@@ -115,5 +114,7 @@ def test_two_processes_match_one_through_growth_and_resume(tmp_path):
   assert resumed.step == NUM_STEPS and resumed.stage == 2
   assert_same_params(final.params, resumed.params)
   pair = train_losses(two)
+  assert sorted(pair) == list(range(1, NUM_STEPS + 1))
+  assert [r["step"] for r in read_metrics(two, "stage")] == [GROWTH_STEP]  # the redone growth, once
   resumed_steps = range(REWIND_TO + 1, NUM_STEPS + 1)
   np.testing.assert_allclose([pair[s] for s in resumed_steps], [reference[s] for s in resumed_steps], rtol=1e-5)

@@ -154,7 +154,7 @@ def clean_gin():
 def test_c4_gin_file_registers_the_task_by_import(monkeypatch, spm_models, clean_gin):
   monkeypatch.setenv("MIDAS_C4_SPM_MODEL", spm_models[0])
   monkeypatch.delitem(sys.modules, "midas_jax.data.c4_task", raising=False)
-  gin_config.parse(["data/c4.gin"], [f"DataConfig.spm_model='{spm_models[0]}'"])
+  gin_config.parse(["data/c4_seqio.gin"], [f"DataConfig.spm_model='{spm_models[0]}'"])
   data = gin_config.run_config_from_gin().data
   assert (data.source, data.seqio_task, data.vocab) == ("seqio", "c4_en", "sentencepiece")
   task = seqio.TaskRegistry.get("c4_en")

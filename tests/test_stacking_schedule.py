@@ -101,6 +101,22 @@ def test_schedule_from_config():
     sched.schedule_from_config(explicit, 11, 8)
 
 
+def test_a_schedule_can_start_from_a_deeper_model():
+  """A pretrained 4-layer model as 2 blocks of 2, grown by MIDAS to 8 layers in 3 stages."""
+  stacking = configs.StackingConfig(num_stages=3, start_blocks=2, alpha=1.0)
+  s = sched.schedule_from_config(stacking, 900, 8)
+  assert s.block_size == 2 and s.depths == (4, 6, 8)  # block_size None: 8 // (3 + 2 - 1)
+  assert s.stage_steps == (200, 300, 400)  # proportional to the blocks of each stage: 2, 3, 4
+  run = configs.RunConfig(model=dataclasses.replace(MODEL, num_layers=8),
+                          trainer=configs.TrainerConfig(num_steps=900), stacking=stacking)
+  assert checks.validate(run) is run
+  with pytest.raises(ConfigError, match="start_blocks") as e:
+    checks.validate(dataclasses.replace(run, stacking=dataclasses.replace(stacking, block_size=2, start_blocks=3)))
+  assert e.value.setting == "StackingConfig.num_stages" and "num_stages=2" in e.value.fix
+  with pytest.raises(ConfigError, match="StackingConfig.start_blocks"):
+    configs.StackingConfig(start_blocks=0)
+
+
 def test_flop_speedup_is_below_the_layer_only_figure():
   s = sched.schedule_from_config(configs.StackingConfig(num_stages=6, alpha=1.0), 2100, MODEL.num_layers)
   layer_only = sched.layer_only_speedup_of(s)

@@ -1,6 +1,7 @@
 """Vocabularies: id layout, round trips, sentinels, SentencePiece training, parity with seqio."""
 
 import importlib.util
+import json
 
 import pytest
 import sentencepiece
@@ -120,14 +121,97 @@ def test_sentencepiece_ids_equal_seqio(spm_model):
     assert list(theirs.encode(text)) == ours.encode(text)
 
 
-def test_sentencepiece_model_with_another_layout_is_rejected(tmp_path, spm_model):
+@pytest.fixture(scope="module")
+def llama_layout_spm(tmp_path_factory):
+  """A SentencePiece model with SentencePiece's default ids, which Llama uses: unk 0, bos 1, eos 2, no pad."""
+  d = tmp_path_factory.mktemp("llama_spm")
+  text = d / "t.txt"
+  text.write_text("\n".join(doc.text for doc in corpus.documents("validation")[:200]), encoding="utf-8")
+  sentencepiece.SentencePieceTrainer.Train(input=str(text), model_prefix=str(d / "m"), vocab_size=400,
+                                          model_type="bpe", byte_fallback=True, character_coverage=0.99,
+                                          hard_vocab_limit=False, minloglevel=2)
+  return str(d / "m.model")
+
+
+def test_sentencepiece_model_in_another_layout_keeps_its_ids(llama_layout_spm):
+  from midas_jax.data import objectives
+  p = sentencepiece.SentencePieceProcessor(model_file=llama_layout_spm)
+  v = SentencePieceVocabulary(llama_layout_spm, extra_ids=104)
+  pieces = p.GetPieceSize()
+  assert (v.unk_id, v.bos_id, v.eos_id, v.pad_id) == (0, 1, 2, pieces)  # no pad: the first extra id
+  assert not v.seqio_layout and v.base_size == pieces and v.vocab_size == pieces + 104 and v.start_id == 1
+  text = "héllo wörld, naïve"  # spm's default normalization turns newlines into spaces
+  assert v.encode(text) == p.encode(text) and v.decode(v.encode(text)) == text
+  assert v.decode([1, *v.encode(text), 2, v.pad_id, v.extra_id(0), 0]) == text  # bos, eos, pad, sentinel, unk
+  special = objectives.vocabulary_special_tokens(v)
+  assert special.sentinel_ids[0] == v.vocab_size - 1 and min(special.mode_ids.values()) == pieces + 1
+  assert v.appended_tokens()[:2] == ["<pad>", "<extra_id_102>"] and v.appended_tokens()[-1] == "<extra_id_0>"
+  with pytest.raises(ConfigError) as e:  # pad + 100 sentinels + 3 mode tokens need 104
+    objectives.vocabulary_special_tokens(SentencePieceVocabulary(llama_layout_spm, extra_ids=103))
+  assert e.value.setting == "DataConfig.extra_ids" and "104" in e.value.fix
+  assert v.fingerprint != SentencePieceVocabulary(llama_layout_spm, extra_ids=105).fingerprint
+
+
+def _bpe_tokenizer(tmp_path, specials, config=None) -> str:
+  """A byte-level BPE trained here, saved as tokenizer.json (with a tokenizer_config.json if given)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
   text = tmp_path / "t.txt"
-  text.write_text("\n".join(d.text for d in corpus.documents("validation")[:100]), encoding="utf-8")
-  sentencepiece.SentencePieceTrainer.Train(input=str(text), model_prefix=str(tmp_path / "std"),
-                                          vocab_size=200, hard_vocab_limit=False, minloglevel=2)
-  with pytest.raises(ConfigError) as e:  # spm defaults: unk 0, bos 1, eos 2
-    SentencePieceVocabulary(str(tmp_path / "std.model"))
-  assert e.value.setting == "DataConfig.spm_model" and "(0, 1, 2)" in str(e.value)
+  text.write_text("\n".join(doc.text for doc in corpus.documents("validation")[:200]), encoding="utf-8")
+  tok.train([str(text)], trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.save(str(tmp_path / "tokenizer.json"))
+  if config is not None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  return str(tmp_path)
+
+
+def test_tokenizers_vocabulary_takes_roles_from_its_config(tmp_path):
+  from midas_jax.data import objectives
+  from midas_jax.data.tokenizers_vocab import TokenizersVocabulary
+  end = "<|endoftext|>"
+  directory = _bpe_tokenizer(tmp_path, ["<pad>", end], {"eos_token": end, "bos_token": {"content": end},
+                                                        "unk_token": None, "pad_token": None})
+  v = make_vocabulary(DataConfig(vocab="tokenizers", tokenizer=directory, extra_ids=110))
+  assert isinstance(v, TokenizersVocabulary) and v.base_size == 320 and v.vocab_size == 430
+  # The config names no pad, so "<pad>" (id 0) is an ordinary token and a pad is appended.
+  assert (v.eos_id, v.bos_id, v.unk_id, v.pad_id) == (1, 1, None, 320)
+  assert v.appended_tokens()[0] == "<midas_pad>"  # "<pad>" is taken
+  text = "Hello wörld\n  two  spaces 🙂"
+  ids = v.encode(text)
+  assert max(ids) < 320 and v.decode(ids) == text
+  assert v.encode(f"a{end}b") == [*v.encode("a"), 1, *v.encode("b")]  # a special token's text is that token
+  assert v.decode([v.eos_id, *ids, v.pad_id, v.vocab_size - 1, 10_000]) == text
+  assert objectives.vocabulary_special_tokens(v).sentinel_ids[:2] == (429, 428)
+  assert v.special_ids()["appended"] == {"320": "<midas_pad>"} and len(v.fingerprint) == 64
+  # Examples start from the tokenizer's BOS, as the model it came with was trained.
+  from midas_jax.data.pipeline import Pipeline, tokenize_documents
+  docs = tokenize_documents([d.text for d in corpus.documents("validation")[:50]], v)
+  data = DataConfig(vocab="tokenizers", tokenizer=directory, extra_ids=110, seq_len=64, batch_size=4)
+  batch = Pipeline(data, {"train": docs, "validation": docs}, v.vocab_size, v).batch(0)
+  starts = (batch["positions"] == 0) & (batch["segment_ids"] > 0)
+  assert v.start_id == v.bos_id == 1 and starts.sum() >= 4 and (batch["inputs"][starts] == 1).all()
+  assert ByteVocabulary().start_id == 0
+
+
+def test_tokenizers_vocabulary_uses_its_own_sentinels_and_usual_names(tmp_path):
+  from midas_jax.data import objectives
+  sentinels = [f"<extra_id_{k}>" for k in range(100)]
+  directory = _bpe_tokenizer(tmp_path, ["</s>", "<pad>", "<unk>"] + sentinels + ["[NLU]"])
+  v = make_vocabulary(DataConfig(vocab="tokenizers", tokenizer=f"{directory}/tokenizer.json", extra_ids=3))
+  assert (v.eos_id, v.pad_id, v.unk_id, v.bos_id, v.reserved_extra_ids) == (0, 1, 2, None, 0)
+  special = objectives.vocabulary_special_tokens(v)
+  assert special.sentinel_ids == tuple(range(3, 103)) and special.mode_ids["[NLU]"] == 103
+  # The mode tokens it lacks take the top extra ids.
+  assert (special.mode_ids["[NLG]"], special.mode_ids["[S2S]"]) == (v.vocab_size - 1, v.vocab_size - 2)
+  with pytest.raises(ConfigError) as e:
+    make_vocabulary(DataConfig(vocab="tokenizers", tokenizer=str(tmp_path / "missing.json")))
+  assert e.value.setting == "DataConfig.tokenizer"
+  with pytest.raises(ConfigError) as e:
+    DataConfig(vocab="tokenizers")
+  assert e.value.setting == "DataConfig.tokenizer"
 
 
 def test_make_vocabulary(tmp_path, spm_model):
@@ -143,3 +227,18 @@ def test_make_vocabulary(tmp_path, spm_model):
   with pytest.raises(ConfigError) as e:
     make_vocabulary(DataConfig(vocab="sentencepiece", spm_model=str(junk)))
   assert e.value.setting == "DataConfig.spm_model"
+
+
+def test_fingerprints_name_what_defines_the_ids(tmp_path, spm_model):
+  """Stable across instances and paths; different for another kind, size, extra ids or model."""
+  assert ByteVocabulary(128).fingerprint == ByteVocabulary(128).fingerprint != ByteVocabulary(100).fingerprint
+  spm = SentencePieceVocabulary(spm_model)
+  moved = tmp_path / "elsewhere.model"
+  moved.write_bytes(open(spm_model, "rb").read())
+  assert SentencePieceVocabulary(str(moved)).fingerprint == spm.fingerprint
+  assert SentencePieceVocabulary(spm_model, extra_ids=64).fingerprint != spm.fingerprint
+  (tmp_path / "t.txt").write_text("\n".join(d.text[::-1] for d in corpus.documents("validation")[:300]))
+  other = train_sentencepiece([str(tmp_path / "t.txt")], str(tmp_path / "other"), vocab_size=400,
+                              hard_vocab_limit=False)
+  assert SentencePieceVocabulary(other).fingerprint != spm.fingerprint
+  assert spm.fingerprint != ByteVocabulary(128).fingerprint

@@ -10,6 +10,9 @@ Three figures on the run config's documents (the built-in corpus by default):
               again followed by seqio's PrefixLMFeatureConverter(pack=True), as ours ends in rows;
   training    the tokens per second a few train steps of the config consume (all cores), or a
               figure given with --train_tokens_per_second.
+On a prepared store (DataConfig.source = 'prepared', or --synthetic_documents=N) store_bench.py
+measures instead: there is no in-memory corpus for t5 to read. --consumption=v5p-128 compares with
+what one host of that TPU slice consumes at --mfu (store_bench.host_consumption).
 "ours" and "t5" are measured on ONE core: every thread of the process is pinned to a single CPU
 (sched_setaffinity on each task in /proc/self/task, restored afterwards; threads started meanwhile
 inherit the pin), and TF also gets intra/inter-op and tf.data thread pools of 1.
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import importlib.util
 import os
 import statistics
 import time
@@ -33,6 +38,7 @@ import numpy as np
 
 from midas_jax.configs import DataConfig, RunConfig
 from midas_jax.data.pipeline import Pipeline
+from midas_jax.errors import ConfigError
 
 T5_DENOISER = (3.0, 0.15)  # (mean span length, noise density): t5's span_corruption default
 TARGET_VS_TRAINING = 5.0
@@ -103,12 +109,13 @@ def span_only(data: DataConfig) -> DataConfig:
                              span_denoisers=(T5_DENOISER,), mode_tokens=False)
 
 
-def measure_ours(pipeline: Pipeline, seconds: float, warmup_seconds: float) -> Dict[str, float]:
+def measure_ours(pipeline: Pipeline, seconds: float, warmup_seconds: float, process_count: int = 1) -> Dict[str, float]:
+  """Process 0's rows of consecutive steps, as one of process_count hosts builds them."""
   step = iter(range(1 << 62))
-  shape = (pipeline.config.batch_size, pipeline.config.seq_len)
+  shape = (pipeline.config.batch_size // process_count, pipeline.config.seq_len)
 
   def produce():
-    batch = pipeline.batch(next(step))
+    batch = pipeline.batch(next(step), "train", 0, process_count)
     return shape[0], shape[0] * shape[1], int(np.count_nonzero(batch["segment_ids"]))
 
   m = _timed(produce, seconds, warmup_seconds)
@@ -159,21 +166,49 @@ def _gin_unlocked():
   return gin.unlock_config()
 
 
+# The t5 reference: each module it imports and the package that provides it, in import order.
+T5_REFERENCE = (("tensorflow", "tensorflow"), ("seqio", "seqio"), ("t5.data.preprocessors", "t5"))
+T5_INSTALL = "pip install -r requirements/t5-reference.txt && pip install --no-deps t5==0.9.4"
+
+
+def import_t5_reference() -> Optional[str]:
+  """Imports the t5 reference (TF's op pools set to one thread as soon as TF is in, before seqio or
+  t5 can start them); returns None when it imports, else which of its packages are not installed.
+
+  Not installed, the comparison is skipped and the report says why. Installed but failing to
+  import is a broken environment: that raises ConfigError naming the package, so a comparison
+  meant to run never turns silently into "unavailable".
+  """
+  missing = [package for module, package in T5_REFERENCE if importlib.util.find_spec(module.split(".")[0]) is None]
+  if missing:
+    return f"not installed: {', '.join(missing)} ({T5_INSTALL})"
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  for module, package in T5_REFERENCE:
+    try:
+      # t5 registers gin configurables on import, which gin refuses once the CLI has parsed its config.
+      with _gin_unlocked():
+        importlib.import_module(module)
+    except Exception as e:  # pylint: disable=broad-except
+      raise ConfigError(package, f"is installed, but `import {module}` fails ({type(e).__name__}: {e}), so "
+                        "the t5 reference of `midas bench data` cannot run",
+                        f"repair the install ({T5_INSTALL}), or uninstall {package} to skip the comparison") from e
+    if module == "tensorflow":
+      _tf_single_threaded()
+  return None
+
+
 def measure_t5(documents, vocab, seq_len: int, batch_size: int, seed: int, seconds: float,
                warmup_seconds: float) -> Dict[str, object]:
   """t5's span_corruption over the token documents, timed twice: counting the inputs + targets it
   emits (the headline), and through seqio's PrefixLMFeatureConverter(pack=True) into rows, which is
   what a t5 decoder-only user feeds the model and what ours also does."""
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  try:
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    threads_set = _tf_single_threaded()
-    # t5 registers gin configurables on import, which gin refuses once the CLI has parsed its config.
-    with _gin_unlocked():
-      import seqio  # pylint: disable=import-outside-toplevel
-      from t5.data import preprocessors  # pylint: disable=import-outside-toplevel
-  except ImportError as e:
-    return {"available": False, "reason": f"{type(e).__name__}: {e}"}
+  missing = import_t5_reference()
+  if missing:
+    return {"available": False, "reason": missing}
+  import seqio  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from t5.data import preprocessors  # pylint: disable=import-outside-toplevel
+  threads_set = _tf_single_threaded()  # True if import_t5_reference set the pools to one thread
 
   mean, density = T5_DENOISER
   inputs_length, targets_length = t5_lengths(seq_len, mean, density)
@@ -253,16 +288,32 @@ def measure_training(experiment, steps: int = 5, warmup: int = 2) -> Dict[str, f
 # ----------------------------------------------------------------------------- run
 
 def run(config: RunConfig, seconds: float = 5.0, train_tokens_per_second: Optional[float] = None,
-        train_steps: int = 5) -> Dict[str, object]:
+        train_steps: int = 5, consumption: Optional[str] = None, mfu: float = 0.4,
+        synthetic_documents: Optional[int] = None, synthetic_dir: Optional[str] = None,
+        synthetic_mean_length: float = 64.0) -> Dict[str, object]:
+  """consumption: a TPU slice (e.g. v5p-128) whose per-host consumption at `mfu` ours is compared
+  with; synthetic_documents: bench a synthetic store of that many documents (in synthetic_dir)."""
+  from midas_jax.bench import store_bench  # pylint: disable=import-outside-toplevel
+  training = None
+  if train_tokens_per_second is not None:
+    training = {"tokens_per_second": float(train_tokens_per_second), "source": "given"}
+  elif consumption:
+    training = store_bench.host_consumption(config, consumption, mfu)
+  if synthetic_documents:
+    folder = store_bench.write_synthetic_store(config, synthetic_documents, synthetic_dir, synthetic_mean_length)
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, source="prepared", prepared_dir=folder,
+                                                                   prepared_from=""))
+  if config.data.source == "prepared":
+    return store_bench.run(config, seconds, training, train_steps)
   # Imported here: experiment pulls in JAX and the model, which the module's users may not need.
   from midas_jax.train.experiment import build_experiment, load_data  # pylint: disable=import-outside-toplevel
-  if train_tokens_per_second is None:
+  import_t5_reference()  # a broken t5 install fails here, before anything is measured
+  if training is not None:
+    vocab, pipeline = load_data(config)
+  else:
     experiment = build_experiment(config)
     vocab, pipeline = experiment.vocab, experiment.pipeline
     training = measure_training(experiment, steps=train_steps)  # before the pin: all cores
-  else:
-    vocab, pipeline = load_data(config)
-    training = {"tokens_per_second": float(train_tokens_per_second), "source": "given"}
   documents = pipeline.documents
   span_pipeline = Pipeline(span_only(config.data), documents, vocab.vocab_size)
   warmup_seconds = min(1.0, max(0.1, seconds / 4))
@@ -297,6 +348,10 @@ def run(config: RunConfig, seconds: float = 5.0, train_tokens_per_second: Option
 
 
 def format_report(r: Dict[str, object]) -> str:
+  if "store" in r:
+    from midas_jax.bench import store_bench  # pylint: disable=import-outside-toplevel
+    return store_bench.format_report(r)
+
   def verdict(key):
     value = r["ratios"].get(key)
     if value is None:

@@ -35,8 +35,8 @@ def format_report(r: Dict[str, object]) -> str:
   base, stacked = r["runs"]
   return "\n".join([
       r["table"], "",
-      f"measured speedup      {r['measured_speedup']:.3f}x  (baseline {base['train_seconds']} s / "
-      f"MIDAS {stacked['train_seconds']} s of training, growth {stacked['growth_seconds']} s)",
+      f"measured speedup      {r['measured_speedup']:.3f}x  (baseline {base['train_seconds']:.2f} s / "
+      f"MIDAS {stacked['train_seconds']:.2f} s of training, growth {stacked['growth_seconds']:.2f} s)",
       f"theoretical speedup   {r['theoretical_speedup']:.3f}x from FLOPs "
       f"({r['layer_only_speedup']:.3f}x counting layers only)",
       f"measured/theoretical  {r['measured_over_theoretical']:.3f}  (target >= 0.9)",

@@ -2,9 +2,12 @@
 
 Batches are built before timing, so the figure is the step itself; the data pipeline's own cost per
 batch is measured separately and reported beside it. The matmul peak is sampled right before every
-timed step, and each step's MFU is taken against the sample next to it: on a machine whose cores
-are shared, load that slows the steps slows the peak alike, so their ratio stays meaningful. The
-reported MFU is the median of those per-step ratios.
+timed step, so on a machine whose cores are shared the peak sees the same load as the steps. Each
+reported ratio is the reported achieved rate (model FLOPs over the median step) over the reported
+peak (the median sample), so the printed figures check against each other. The MFU denominator is
+TrainerConfig.peak_flops_per_device when set (as in training), else the vendor's bf16 peak of a
+known accelerator, else the measured peak of the dtypes the model computes in. Compile time is
+excluded: the warmup steps compile, and the timed steps run the compiled program.
 """
 
 from __future__ import annotations
@@ -68,15 +71,17 @@ def run(config: RunConfig, steps: int = 10, warmup: int = 2, peak_size: int = 20
   n_dev = jax.device_count()
   tokens = data.batch_size * data.seq_len
   model_flops = flops.train_flops_per_token(mcfg, data.seq_len) * tokens
-  achieved = [model_flops / t / n_dev for t in times]  # per device, each step
+  achieved = model_flops / step_seconds / n_dev
   peaks = {name: statistics.median(v) for name, v in samples.items()}
-  ratios = {name: statistics.median(a / p for a, p in zip(achieved, v)) for name, v in samples.items()}
+  compute_key = "float32" if mcfg.dtype == "float32" else "bfloat16_f32_accum"
+  denominator = compute_key
   known = known_peak_flops(jax.devices()[0])
   if known is not None:
-    peaks["vendor_bf16"] = known
-    ratios["vendor_bf16"] = statistics.median(achieved) / known
-  compute_key = "float32" if mcfg.dtype == "float32" else "bfloat16_f32_accum"
-  denominator = "vendor_bf16" if known is not None else compute_key
+    peaks["vendor_bf16"], denominator = known, "vendor_bf16"
+  override = config.trainer.peak_flops_per_device
+  if override is not None:
+    peaks["override"], denominator = float(override), "override"
+  ratios = {name: achieved / peak for name, peak in peaks.items()}
   counts = flops.param_counts(mcfg)
   return {
       "device": jax.devices()[0].device_kind,
@@ -90,14 +95,15 @@ def run(config: RunConfig, steps: int = 10, warmup: int = 2, peak_size: int = 20
       "warmup_seconds": warmup_seconds,
       "tokens_per_second": tokens / step_seconds,
       "model_flops_per_step": model_flops,
-      "achieved_flops_per_device": model_flops / step_seconds / n_dev,
+      "achieved_flops_per_device": achieved,
       "peak_flops_per_device": peaks,
+      "compute_peak": compute_key,
       "peak_ratios": ratios,
       "mfu_denominator": denominator,
       "mfu": ratios[denominator],
       "load_average": [load_before, _load()],
       # Under 100%, other processes held some of the cores during the steps: compare runs only
-      # at a similar share (the per-step peak pairing absorbs part of the difference, not all).
+      # at a similar share (the peak sampled beside the steps absorbs part of the difference, not all).
       "cpu_share_of_steps": cpu_seconds / sum(times) / (os.cpu_count() or 1),
       "data_seconds_per_batch": data_seconds,
       "data_fraction_of_step": data_seconds / step_seconds,
@@ -113,12 +119,13 @@ def format_report(r: Dict[str, object]) -> str:
       f"step            {r['step_seconds_median'] * 1e3:.0f} ms median ({r['step_seconds_min'] * 1e3:.0f} ms min), "
       f"first steps incl. compile {r['warmup_seconds']:.1f} s",
       f"throughput      {r['tokens_per_second']:,.0f} tokens/s, "
-      f"{r['achieved_flops_per_device'] / 1e9:.1f} GFLOP/s per device (model FLOPs)",
+      f"{r['achieved_flops_per_device'] / 1e9:,.2f} GFLOP/s per device (model FLOPs)",
   ]
   for name, value in peaks.items():
-    lines.append(f"peak {name:<18} {value / 1e9:.1f} GFLOP/s per device (median) "
-                 f"-> ratio {ratios[name]:.1%} (median per step)")
-  lines.append(f"MFU             {r['mfu']:.1%} of the {r['mfu_denominator']} peak")
+    how = {"vendor_bf16": "(vendor)", "override": "(TrainerConfig.peak_flops_per_device)"}.get(name, "(median)")
+    lines.append(f"peak {name:<18} {value / 1e9:,.2f} GFLOP/s per device {how} -> ratio {ratios[name]:.2%}")
+  lines.append(f"MFU             {r['mfu']:.2%} of the {r['mfu_denominator']} peak "
+               "(compile excluded: the warmup steps compile)")
   before, after = r["load_average"]
   lines.append(f"machine load    {before:.1f} before, {after:.1f} after (1-min load average; "
                f"{os.cpu_count()} cpus); this process used {r['cpu_share_of_steps']:.0%} of them "

@@ -9,8 +9,6 @@ always without touching optimizer state, onto one device as float32 NumPy arrays
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any, Dict, Optional
 
 import flax.linen as nn
@@ -18,6 +16,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from midas_jax import fs
 from midas_jax.checkpoint import manager as manager_lib
 from midas_jax.checkpoint import metadata as metadata_lib
 from midas_jax.configs import ModelConfig, RunConfig
@@ -58,15 +57,15 @@ def model_config_of(metadata: Dict[str, Any]) -> tuple:
 
 
 def is_params_export(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, METADATA_FILE)) and os.path.isdir(os.path.join(path, PARAMS_DIR))
+  return fs.isfile(fs.join(path, METADATA_FILE)) and fs.isdir(fs.join(path, PARAMS_DIR))
 
 
 def write_params_export(out_dir: str, params, config: RunConfig, metadata: Optional[Dict[str, Any]] = None) -> str:
   """Writes `params` (any pytree of arrays laid out as Decoder's) and metadata to out_dir."""
-  out_dir = os.path.abspath(out_dir)
-  if os.path.exists(os.path.join(out_dir, PARAMS_DIR)):
+  out_dir = fs.absolute(out_dir, "--out")
+  if fs.exists(fs.join(out_dir, PARAMS_DIR)):
     raise ConfigError("--out", f"{out_dir} already holds an export", "choose a new output directory")
-  os.makedirs(out_dir, exist_ok=True)
+  fs.makedirs(out_dir)
   meta = dict(metadata or {})
   meta.setdefault("step", 0)
   meta.setdefault("stage", 1)
@@ -75,19 +74,17 @@ def write_params_export(out_dir: str, params, config: RunConfig, metadata: Optio
   meta["versions"] = metadata_lib.package_versions()
   meta["format"] = metadata_lib.FORMAT_VERSION
   with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(os.path.join(out_dir, PARAMS_DIR), jax.tree.map(np.asarray, params))
+    ckptr.save(fs.join(out_dir, PARAMS_DIR), jax.tree.map(np.asarray, params))
   if jax.process_index() == 0:
-    with open(os.path.join(out_dir, METADATA_FILE), "w") as f:
-      json.dump(meta, f, indent=2)
+    fs.write_json(fs.join(out_dir, METADATA_FILE), meta)
   return out_dir
 
 
 def _load_export(path: str) -> LoadedModel:
-  with open(os.path.join(path, METADATA_FILE)) as f:
-    meta = json.load(f)
+  meta = fs.read_json(fs.join(path, METADATA_FILE))
   config, model = model_config_of(meta)
   with ocp.StandardCheckpointer() as ckptr:
-    params = ckptr.restore(os.path.join(path, PARAMS_DIR), abstract_params(model))
+    params = ckptr.restore(fs.join(path, PARAMS_DIR), abstract_params(model))
   return LoadedModel(jax.tree.map(np.asarray, params), model, config, int(meta["step"]), int(meta.get("stage", 1)), meta)
 
 
@@ -115,10 +112,10 @@ def _load_from_run(workdir: str, step: Optional[int]) -> LoadedModel:
 
 def load_model(path: str, step: Optional[int] = None) -> LoadedModel:
   """A run's workdir (latest good checkpoint, or `step`) or a params-only export, params only."""
-  path = os.path.abspath(os.path.expanduser(path))
+  path = fs.absolute(path, "--workdir")
   if is_params_export(path):
     return _load_export(path)
-  if os.path.isdir(manager_lib.checkpoint_dir(path)):
+  if fs.isdir(manager_lib.checkpoint_dir(path)):
     return _load_from_run(path, step)
   raise ConfigError("--workdir", f"{path} is neither a run with checkpoints nor a params-only export",
                     "pass a `midas train` workdir (it has checkpoints/) or a directory written by "

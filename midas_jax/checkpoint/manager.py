@@ -2,15 +2,14 @@
 
 Layout: <workdir>/checkpoints/<step>/{params, state, metadata}. `params` alone is what evaluation
 and conversion need; `state` holds the step count and optimizer state; `metadata` is JSON
-(metadata.py). orbax writes each save to a temporary directory and renames it when complete, and
-deletes old saves only after a newer one is committed, so a kill at any moment leaves the previous
-good checkpoint in place.
+(metadata.py). orbax commits each save atomically (locally: a temporary directory renamed when
+complete; on gs://, given the URL itself: a commit_success marker written last, since an object
+store cannot rename a directory), and deletes old saves only after a newer one is committed, so a
+kill at any moment leaves the previous good checkpoint in place.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from midas_jax import fs
 from midas_jax.configs import CheckpointConfig
 from midas_jax.console import say
 from midas_jax.errors import NonFiniteLossError
@@ -34,7 +34,7 @@ class CorruptCheckpointError(RuntimeError):
 
 
 def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(workdir, CHECKPOINT_DIR)
+  return fs.join(workdir, CHECKPOINT_DIR)
 
 
 def _abstract(tree, shardings):
@@ -115,13 +115,19 @@ class OrbaxCheckpointer:
     return state
 
   def quarantine(self, step: int, reason: str) -> None:
-    """Moves a bad save aside (never deletes it), so the next restore looks at the one before."""
-    src = os.path.join(self.directory, str(step))
-    dst = os.path.join(self.directory, f"{QUARANTINE_PREFIX}{step}-{int(time.time())}")
-    print(f"checkpoint: step {step} is unusable ({reason}); moved to {dst}, trying the previous save",
-          file=sys.stderr, flush=True)
-    if jax.process_index() == 0 and os.path.isdir(src):
-      shutil.move(src, dst)
+    """Moves a bad save aside (never deletes it), so the next restore looks at the one before.
+
+    Process 0 moves it; every process waits for that before looking at the saves again.
+    """
+    from midas_jax.train import hosts  # pylint: disable=import-outside-toplevel
+    src = fs.join(self.directory, str(step))
+    dst = fs.join(self.directory, f"{QUARANTINE_PREFIX}{step}-{int(time.time())}")
+    if jax.process_index() == 0:
+      print(f"checkpoint: step {step} is unusable ({reason}); moved to {dst}, trying the previous save",
+            file=sys.stderr, flush=True)
+      if fs.isdir(src):
+        fs.rename(src, dst)
+    hosts.barrier(f"midas_quarantine_{step}")
     self._manager.reload()
 
   def due(self, step: int) -> bool:
@@ -155,7 +161,7 @@ class OrbaxCheckpointer:
 def available_steps(workdir: str) -> List[int]:
   """Committed checkpoint steps of a run, oldest first."""
   directory = checkpoint_dir(workdir)
-  if not os.path.isdir(directory):
+  if not fs.isdir(directory):
     return []
   return sorted(make_manager(directory, read_only=True).all_steps())
 

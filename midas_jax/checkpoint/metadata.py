@@ -10,11 +10,9 @@ explicit allowance, so a typo cannot silently continue a different experiment.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import platform
 from typing import Any, Dict, List, Sequence, Tuple
 
-from midas_jax import configs
+from midas_jax import configs, versions
 from midas_jax.errors import ConfigError
 
 FORMAT_VERSION = 1
@@ -22,20 +20,15 @@ FORMAT_VERSION = 1
 # Settings that do not change what is trained: a resume may change them without an allowance.
 # How a step is computed (attention kernel, gradient accumulation, loss chunks) is among them.
 OPERATIONAL = ("mesh.", "trainer.log_every", "trainer.eval_every", "trainer.eval_batches",
-               "trainer.progress_bar", "trainer.peak_flops_per_device", "trainer.microbatches",
-               "trainer.loss_chunk", "model.attention", "data.prefetch", "checkpoint.")
+               "trainer.progress_bar", "trainer.peak_flops_per_device", "trainer.profile_steps",
+               "trainer.microbatches", "trainer.loss_chunk", "model.attention", "data.prefetch", "data.read_threads",
+               "checkpoint.")
 
 _PACKAGES = ("midas_jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
 
 
 def package_versions() -> Dict[str, str]:
-  versions = {"python": platform.python_version()}
-  for name in _PACKAGES:
-    try:
-      versions[name] = importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-      versions[name] = "not installed"
-  return versions
+  return versions.installed(_PACKAGES)
 
 
 def _jsonable(value: Any) -> Any:
@@ -90,6 +83,8 @@ def check_resumable(saved: Dict[str, Any], new: Dict[str, Any], allowed: Sequenc
   "all" allows everything. Returns the differences that were accepted, for the log.
   """
   accepted, refused = [], []
+  # A setting added since the save was made reads as its default, which is what that run used.
+  saved = config_to_dict(config_from_dict(saved))
   for key, old, value in config_differences(saved, new):
     line = f"{key}: {old!r} -> {value!r}"
     ok = "all" in allowed or any(key == p or (p.endswith(".") and key.startswith(p))

@@ -1,6 +1,7 @@
 """`midas export` and `midas import` (registered through cli.COMMAND_MODULES).
 
-  midas export --workdir=DIR --format=hf|torch|npz|params --out=OUT [--step=N]
+  midas export --workdir=DIR --format=hf|torch|npz|params --out=OUT [--step=N] [--dtype=float32|bfloat16]
+               [--max_shard_size=5GB]
   midas import --hf=DIR --workdir=OUT
 """
 
@@ -8,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Callable, Dict, List
 
 EXPORT_FORMATS = ("hf", "torch", "npz", "params")
+DEFAULT_SHARD = "5GB"  # convert.shards.DEFAULT_MAX_SHARD_SIZE, kept here so the CLI registers without it
 
 
 def _export(args, bindings: List[str]) -> int:
@@ -21,16 +22,19 @@ def _export(args, bindings: List[str]) -> int:
   if args.format not in EXPORT_FORMATS:
     raise ConfigError("--format", f"unknown format {args.format!r}", f"use one of {EXPORT_FORMATS}")
   if args.format == "params":
+    if args.dtype != "float32" or args.max_shard_size != DEFAULT_SHARD:
+      raise ConfigError("--dtype", "a params-only export keeps the run's parameters as they are",
+                        "drop --dtype and --max_shard_size for --format=params")
     from midas_jax.checkpoint import export_params  # pylint: disable=import-outside-toplevel
     out = export_params(args.workdir, args.out, args.step)
     print(json.dumps({"format": "params", "out": out}))
     return 0
+  from midas_jax import fs  # pylint: disable=import-outside-toplevel
   from midas_jax.convert import export  # pylint: disable=import-outside-toplevel
-  files = export.export_model(args.workdir, args.out, args.format, args.step)
-  with open(os.path.join(args.out, "midas_jax.json")) as f:
-    provenance = json.load(f)
+  files = export.export_model(args.workdir, args.out, args.format, args.step, args.dtype, args.max_shard_size)
+  provenance = fs.read_json(fs.join(args.out, "midas_jax.json"))
   print(json.dumps({"format": args.format, "out": args.out, "files": files, "step": provenance["step"],
-                    "stage": provenance["stage"], "depth": provenance["depth"]}))
+                    "stage": provenance["stage"], "depth": provenance["depth"], "dtype": args.dtype}))
   return 0
 
 
@@ -40,8 +44,10 @@ def _import(args, bindings: List[str]) -> int:
     raise ConfigError("--gin.*", "import takes no gin bindings", "bind settings when you train from the import")
   from midas_jax.convert import hf_import  # pylint: disable=import-outside-toplevel
   config, metadata = hf_import.import_hf(args.hf, args.workdir)
+  from midas_jax import fs  # pylint: disable=import-outside-toplevel
   print(json.dumps({"workdir": args.workdir, "family": config.model.family, "depth": metadata["depth"],
-                    "tokenizer": metadata["tokenizer"], "gin": os.path.join(args.workdir, hf_import.GIN_FILE)}))
+                    "vocab_size": config.model.vocab_size, "tokenizer": metadata["tokenizer"],
+                    "gin": fs.join(args.workdir, hf_import.GIN_FILE)}))
   return 0
 
 
@@ -54,7 +60,12 @@ def register(sub, bench_sub) -> Dict[str, Callable[[argparse.Namespace, List[str
   export.add_argument("--format", default="hf", help=f"one of {', '.join(EXPORT_FORMATS)} (default hf)")
   export.add_argument("--out", required=True, help="output directory (new or empty)")
   export.add_argument("--step", type=int, default=None, help="a saved step instead of the latest")
-  imp = sub.add_parser("import", help="bring a transformers Llama or GPT-2 directory in as a params-only export")
+  export.add_argument("--dtype", default="float32", help="weights of hf and torch exports: float32 (default) or "
+                      "bfloat16")
+  export.add_argument("--max_shard_size", default=DEFAULT_SHARD, help="hf weights larger than this are split into "
+                      f"shards with an index (default {DEFAULT_SHARD}, as transformers; 500MB, 2GiB, bytes)")
+  imp = sub.add_parser("import", help="bring a transformers Llama, Qwen2 or GPT-2 directory in as a params-only "
+                       "export, with its tokenizer")
   imp.add_argument("--hf", required=True, help="a transformers model directory (config.json and weights)")
   imp.add_argument("--workdir", required=True, help="output directory (new or empty)")
   return {"export": _export, "import": _import}

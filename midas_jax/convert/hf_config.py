@@ -1,4 +1,4 @@
-"""ModelConfig <-> transformers LlamaConfig / GPT2Config.
+"""ModelConfig <-> transformers LlamaConfig / Qwen2Config / GPT2Config.
 
 A setting without an exact transformers equivalent is refused with a ConfigError naming it, never
 approximated: an exported model must compute what ours computes. transformers is imported lazily.
@@ -13,9 +13,15 @@ from midas_jax.configs import ModelConfig
 from midas_jax.data.vocab import EOS_ID, PAD_ID
 from midas_jax.errors import ConfigError, require
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+IMPORTABLE = tuple(ARCHITECTURES)  # transformers model_type values
 # transformers activations equal to jax.nn.gelu(approximate=True) (the tanh form GPT-2 used).
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+
+
+def model_type(cfg: ModelConfig) -> str:
+  """The transformers model_type that computes what cfg does: Qwen2 is Llama with q/k/v biases."""
+  return "qwen2" if cfg.family == "llama" and cfg.qkv_bias else cfg.family
 
 
 def check_exportable(cfg: ModelConfig) -> None:
@@ -33,20 +39,28 @@ def check_exportable(cfg: ModelConfig) -> None:
             "leave ModelConfig.head_dim unset for gpt2 models you want to export")
 
 
-def to_hf_config(cfg: ModelConfig):
-  """The transformers config object (LlamaConfig or GPT2Config) of a ModelConfig, float32 weights."""
+def to_hf_config(cfg: ModelConfig, token_ids: Optional[dict] = None, dtype: str = "float32"):
+  """The transformers config object (LlamaConfig, Qwen2Config or GPT2Config) of a ModelConfig.
+
+  token_ids: {"bos", "eos", "pad"} ids of the vocabulary (default seqio's layout: no bos, eos 1,
+  pad 0); dtype: the dtype the weights are written in.
+  """
   check_exportable(cfg)
   import transformers  # lazy: only conversion needs it
-  common = dict(vocab_size=cfg.vocab_size, bos_token_id=None, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-                tie_word_embeddings=cfg.tie_embeddings, architectures=[ARCHITECTURES[cfg.family]],
-                dtype="float32")
+  ids = token_ids or {"bos": None, "eos": EOS_ID, "pad": PAD_ID}
+  kind = model_type(cfg)
+  common = dict(vocab_size=cfg.vocab_size, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                pad_token_id=ids["pad"], tie_word_embeddings=cfg.tie_embeddings, architectures=[ARCHITECTURES[kind]],
+                dtype=dtype)
   if cfg.family == "llama":
-    return transformers.LlamaConfig(
+    fields = dict(
         hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.resolved_head_dim,
         hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        attention_bias=False, mlp_bias=False, **common)
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)}, **common)
+    if kind == "qwen2":  # biases on q, k, v, never on the output projection
+      return transformers.Qwen2Config(use_sliding_window=False, **fields)
+    return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **fields)
   return transformers.GPT2Config(
       n_embd=cfg.d_model, n_inner=cfg.d_ff, n_layer=cfg.num_layers, n_head=cfg.num_heads,
       n_positions=cfg.max_seq_len, activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps,
@@ -60,29 +74,37 @@ def _get(hf: Any, name: str, default: Any = None) -> Any:
 
 def _refuse_unless(condition: bool, key: str, problem: str) -> None:
   require(condition, f"--hf config.json {key}", problem,
-          "only plain Llama (SwiGLU, RMSNorm, default rotary) and GPT-2 checkpoints can be imported exactly")
+          "only plain Llama and Qwen2 (SwiGLU, RMSNorm, default rotary, full attention) and GPT-2 checkpoints "
+          "can be imported exactly")
 
 
 def model_config_from_hf(hf: Any, base: Optional[ModelConfig] = None) -> ModelConfig:
-  """The ModelConfig that computes what a transformers Llama or GPT-2 config describes.
+  """The ModelConfig that computes what a transformers Llama, Qwen2 or GPT-2 config describes.
 
   base: where settings transformers does not record come from (compute dtype, init scheme, ...);
   the ModelConfig defaults otherwise. vocab_size is the HF one, kept as is (vocab_multiple 1 unless
   base has that vocab_size already).
   """
   kind = _get(hf, "model_type")
-  require(kind in ARCHITECTURES, "--hf config.json model_type", f"{kind!r} cannot be imported",
-          f"import one of {tuple(ARCHITECTURES)}")
+  require(kind in IMPORTABLE, "--hf config.json model_type", f"{kind!r} cannot be imported",
+          f"import one of {IMPORTABLE}")
   base = base or ModelConfig()
   vocab_size = int(hf.vocab_size)
-  common = dict(family=kind, vocab_size=vocab_size,
+  common = dict(family="gpt2" if kind == "gpt2" else "llama", vocab_size=vocab_size, qkv_bias=kind == "qwen2",
                 vocab_multiple=base.vocab_multiple if base.vocab_size == vocab_size else 1,
                 tie_embeddings=bool(_get(hf, "tie_word_embeddings", kind == "gpt2")), loop_start=0, loop_size=0,
                 loop_repeats=1)
-  if kind == "llama":
+  if kind in ("llama", "qwen2"):
     _refuse_unless(_get(hf, "hidden_act", "silu") == "silu", "hidden_act", f"{hf.hidden_act!r} is not silu")
-    _refuse_unless(not _get(hf, "attention_bias", False), "attention_bias", "attention biases are not supported")
+    _refuse_unless(not _get(hf, "attention_bias", False), "attention_bias",
+                   "Llama attention biases include one on the output projection, which is not supported "
+                   "(Qwen2's biases on q, k, v alone are)")
     _refuse_unless(not _get(hf, "mlp_bias", False), "mlp_bias", "MLP biases are not supported")
+    _refuse_unless(not _get(hf, "use_sliding_window", False), "use_sliding_window",
+                   "sliding-window attention is not supported")
+    layer_types = set(_get(hf, "layer_types", None) or ["full_attention"])
+    _refuse_unless(layer_types == {"full_attention"}, "layer_types", f"{sorted(layer_types)} are not all full "
+                   "attention")
     rope = dict(_get(hf, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     _refuse_unless(rope_type == "default", "rope_parameters", f"rotary scaling {rope_type!r} is not supported")

@@ -6,11 +6,13 @@ Conv1D weights ([in, out], no transpose) with query, key and value fused into on
 order is the same on both sides (query head h reads kv head h // group in both), and the rotary
 half-rotation layout is HF's `rotate_half`, so no permutation of the query/key rows is needed.
 Every map is a transpose, reshape or concatenation: export then import returns the exact bits.
+Qwen2 is Llama with biases on the query, key and value projections (ModelConfig.qkv_bias). Export
+makes each tensor only when it is written (`hf_tensors`), so no second copy of the model is built.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Mapping
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -23,48 +25,73 @@ StateDict = Dict[str, np.ndarray]
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 
+class HFTensor(NamedTuple):
+  """One tensor of the HF state dict, made on demand: a sharded export holds one shard at a time."""
+
+  name: str
+  shape: Tuple[int, ...]
+  make: Callable[[], np.ndarray]  # -> float32, C-contiguous
+
+  @property
+  def num_elements(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+
 def _np(x) -> np.ndarray:
   return np.asarray(x, dtype=np.float32)
 
 
-def _per_layer(stacked: np.ndarray, template: str, fn: Callable[[np.ndarray], np.ndarray]) -> StateDict:
-  return {template.format(i): np.ascontiguousarray(fn(layer)) for i, layer in enumerate(stacked)}
+def _tensor(name: str, shape, source, fn: Callable[[np.ndarray], np.ndarray] = lambda w: w,
+            layer: Optional[int] = None) -> HFTensor:
+  """The tensor fn(source[layer]) (fn(source) without a layer), computed and copied only when made."""
+  def make():
+    return np.ascontiguousarray(fn(_np(source if layer is None else source[layer])))
+  return HFTensor(name, tuple(int(n) for n in shape), make)
 
 
-# ---- llama -------------------------------------------------------------------------------------
+# ---- llama (and Qwen2: llama with biases on q, k, v) --------------------------------------------
 
-def _llama_to_hf(params: Mapping, cfg: ModelConfig) -> StateDict:
-  d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
+def _llama_to_hf(params: Mapping, cfg: ModelConfig) -> List[HFTensor]:
+  d, h, kv, hd, f = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim, cfg.d_ff
   attn, mlp, layers = params["layers"]["attn"], params["layers"]["mlp"], params["layers"]
-  pre = "model.layers.{}."
-  sd: StateDict = {"model.embed_tokens.weight": _np(params["embedding"]),
-                   "model.norm.weight": _np(params["final_norm"]["scale"])}
-  sd.update(_per_layer(_np(attn["query"]), pre + "self_attn.q_proj.weight", lambda w: w.reshape(d, h * hd).T))
-  sd.update(_per_layer(_np(attn["key"]), pre + "self_attn.k_proj.weight", lambda w: w.reshape(d, kv * hd).T))
-  sd.update(_per_layer(_np(attn["value"]), pre + "self_attn.v_proj.weight", lambda w: w.reshape(d, kv * hd).T))
-  sd.update(_per_layer(_np(attn["out"]), pre + "self_attn.o_proj.weight", lambda w: w.reshape(h * hd, d).T))
-  for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-    sd.update(_per_layer(_np(mlp[ours]), pre + f"mlp.{theirs}.weight", lambda w: w.T))
-  sd.update(_per_layer(_np(layers["attn_norm"]["scale"]), pre + "input_layernorm.weight", lambda w: w))
-  sd.update(_per_layer(_np(layers["mlp_norm"]["scale"]), pre + "post_attention_layernorm.weight", lambda w: w))
+  out = [_tensor("model.embed_tokens.weight", (cfg.vocab_size, d), params["embedding"])]
+  for i in range(cfg.num_layers):
+    pre = f"model.layers.{i}."
+    for p, ours, n in (("q", "query", h), ("k", "key", kv), ("v", "value", kv)):
+      out.append(_tensor(pre + f"self_attn.{p}_proj.weight", (n * hd, d), attn[ours], lambda w: w.reshape(d, -1).T, i))
+      if cfg.qkv_bias:
+        out.append(_tensor(pre + f"self_attn.{p}_proj.bias", (n * hd,), attn[ours + "_bias"], np.ravel, i))
+    out += [
+        _tensor(pre + "self_attn.o_proj.weight", (d, h * hd), attn["out"], lambda w: w.reshape(-1, d).T, i),
+        _tensor(pre + "mlp.gate_proj.weight", (f, d), mlp["gate"], np.transpose, i),
+        _tensor(pre + "mlp.up_proj.weight", (f, d), mlp["up"], np.transpose, i),
+        _tensor(pre + "mlp.down_proj.weight", (d, f), mlp["down"], np.transpose, i),
+        _tensor(pre + "input_layernorm.weight", (d,), layers["attn_norm"]["scale"], layer=i),
+        _tensor(pre + "post_attention_layernorm.weight", (d,), layers["mlp_norm"]["scale"], layer=i),
+    ]
+  out.append(_tensor("model.norm.weight", (d,), params["final_norm"]["scale"]))
   if not cfg.tie_embeddings:
-    sd["lm_head.weight"] = np.ascontiguousarray(_np(params["head"]).T)
-  return sd
+    out.append(_tensor("lm_head.weight", (cfg.vocab_size, d), params["head"], np.transpose))
+  return out
 
 
 def _llama_from_hf(sd: "_Reader", cfg: ModelConfig) -> dict:
   d, h, kv, hd, f = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim, cfg.d_ff
   pre = "model.layers.{}."
+  attn = {
+      "query": sd.stack(pre + "self_attn.q_proj.weight", (h * hd, d), lambda w: w.T.reshape(d, h, hd)),
+      "key": sd.stack(pre + "self_attn.k_proj.weight", (kv * hd, d), lambda w: w.T.reshape(d, kv, hd)),
+      "value": sd.stack(pre + "self_attn.v_proj.weight", (kv * hd, d), lambda w: w.T.reshape(d, kv, hd)),
+      "out": sd.stack(pre + "self_attn.o_proj.weight", (d, h * hd), lambda w: w.T.reshape(h, hd, d)),
+  }
+  if cfg.qkv_bias:
+    for p, ours, n in (("q", "query", h), ("k", "key", kv), ("v", "value", kv)):
+      attn[f"{ours}_bias"] = sd.stack(pre + f"self_attn.{p}_proj.bias", (n * hd,), lambda w, n=n: w.reshape(n, hd))
   params = {
       "embedding": sd.take("model.embed_tokens.weight", (cfg.vocab_size, d)),
       "final_norm": {"scale": sd.take("model.norm.weight", (d,))},
       "layers": {
-          "attn": {
-              "query": sd.stack(pre + "self_attn.q_proj.weight", (h * hd, d), lambda w: w.T.reshape(d, h, hd)),
-              "key": sd.stack(pre + "self_attn.k_proj.weight", (kv * hd, d), lambda w: w.T.reshape(d, kv, hd)),
-              "value": sd.stack(pre + "self_attn.v_proj.weight", (kv * hd, d), lambda w: w.T.reshape(d, kv, hd)),
-              "out": sd.stack(pre + "self_attn.o_proj.weight", (d, h * hd), lambda w: w.T.reshape(h, hd, d)),
-          },
+          "attn": attn,
           "mlp": {
               "gate": sd.stack(pre + "mlp.gate_proj.weight", (f, d), lambda w: w.T),
               "up": sd.stack(pre + "mlp.up_proj.weight", (f, d), lambda w: w.T),
@@ -83,28 +110,36 @@ def _llama_from_hf(sd: "_Reader", cfg: ModelConfig) -> dict:
 
 # ---- gpt2 --------------------------------------------------------------------------------------
 
-def _gpt2_to_hf(params: Mapping, cfg: ModelConfig) -> StateDict:
-  d = cfg.d_model
+def _gpt2_to_hf(params: Mapping, cfg: ModelConfig) -> List[HFTensor]:
+  d, f = cfg.d_model, cfg.d_ff
   attn, mlp, layers = params["layers"]["attn"], params["layers"]["mlp"], params["layers"]
-  pre = "transformer.h.{}."
-  sd: StateDict = {"transformer.wte.weight": _np(params["embedding"]),
-                   "transformer.wpe.weight": _np(params["position_embedding"]),
-                   "transformer.ln_f.weight": _np(params["final_norm"]["scale"]),
-                   "transformer.ln_f.bias": _np(params["final_norm"]["bias"])}
-  qkv = np.concatenate([_np(attn[n]).reshape(cfg.num_layers, d, d) for n in ("query", "key", "value")], axis=-1)
-  qkv_bias = np.concatenate([_np(attn[n]).reshape(cfg.num_layers, d)
-                             for n in ("query_bias", "key_bias", "value_bias")], axis=-1)
-  sd.update(_per_layer(qkv, pre + "attn.c_attn.weight", lambda w: w))
-  sd.update(_per_layer(qkv_bias, pre + "attn.c_attn.bias", lambda w: w))
-  sd.update(_per_layer(_np(attn["out"]), pre + "attn.c_proj.weight", lambda w: w.reshape(d, d)))
-  sd.update(_per_layer(_np(attn["out_bias"]), pre + "attn.c_proj.bias", lambda w: w))
-  for ours, theirs in (("fc", "c_fc"), ("proj", "c_proj")):
-    sd.update(_per_layer(_np(mlp[ours]), pre + f"mlp.{theirs}.weight", lambda w: w))
-    sd.update(_per_layer(_np(mlp[ours + "_bias"]), pre + f"mlp.{theirs}.bias", lambda w: w))
-  for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-    sd.update(_per_layer(_np(layers[ours]["scale"]), pre + f"{theirs}.weight", lambda w: w))
-    sd.update(_per_layer(_np(layers[ours]["bias"]), pre + f"{theirs}.bias", lambda w: w))
-  return sd
+
+  def fused(name: str, shape, parts, i: int) -> HFTensor:
+    """c_attn of layer i: query, key and value side by side (GPT-2's Conv1D keeps [in, out])."""
+    def make():
+      arrays = [_np(attn[p][i]) for p in parts]  # kernels [d, h, hd], biases [h, hd]
+      return np.ascontiguousarray(np.concatenate([a.reshape(*a.shape[:-2], -1) for a in arrays], axis=-1))
+    return HFTensor(name, shape, make)
+
+  out = [_tensor("transformer.wte.weight", (cfg.vocab_size, d), params["embedding"]),
+         _tensor("transformer.wpe.weight", (cfg.max_seq_len, d), params["position_embedding"])]
+  for i in range(cfg.num_layers):
+    pre = f"transformer.h.{i}."
+    out += [
+        fused(pre + "attn.c_attn.weight", (d, 3 * d), ("query", "key", "value"), i),
+        fused(pre + "attn.c_attn.bias", (3 * d,), ("query_bias", "key_bias", "value_bias"), i),
+        _tensor(pre + "attn.c_proj.weight", (d, d), attn["out"], lambda w: w.reshape(d, d), i),
+        _tensor(pre + "attn.c_proj.bias", (d,), attn["out_bias"], layer=i),
+    ]
+    for ours, theirs, shape in (("fc", "c_fc", (d, f)), ("proj", "c_proj", (f, d))):
+      out += [_tensor(pre + f"mlp.{theirs}.weight", shape, mlp[ours], layer=i),
+              _tensor(pre + f"mlp.{theirs}.bias", shape[1:], mlp[ours + "_bias"], layer=i)]
+    for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+      out += [_tensor(pre + f"{theirs}.weight", (d,), layers[ours]["scale"], layer=i),
+              _tensor(pre + f"{theirs}.bias", (d,), layers[ours]["bias"], layer=i)]
+  out += [_tensor("transformer.ln_f.weight", (d,), params["final_norm"]["scale"]),
+          _tensor("transformer.ln_f.bias", (d,), params["final_norm"]["bias"])]
+  return out
 
 
 def _gpt2_from_hf(sd: "_Reader", cfg: ModelConfig) -> dict:
@@ -183,9 +218,15 @@ _TO_HF = {"llama": _llama_to_hf, "gpt2": _gpt2_to_hf}
 _FROM_HF = {"llama": _llama_from_hf, "gpt2": _gpt2_from_hf}
 
 
+def hf_tensors(params: Mapping, cfg: ModelConfig) -> List[HFTensor]:
+  """The HF CausalLM state dict of our unboxed params (numpy or jax arrays), tensor by tensor, in
+  checkpoint order (embeddings, layer by layer, final norm, head); a tied head is left out."""
+  return _TO_HF[cfg.family](params, cfg)
+
+
 def to_hf_state_dict(params: Mapping, cfg: ModelConfig) -> StateDict:
   """Our unboxed params (numpy or jax arrays) -> the HF CausalLM state dict, float32 numpy."""
-  return _TO_HF[cfg.family](params, cfg)
+  return {t.name: t.make() for t in hf_tensors(params, cfg)}
 
 
 def _canonical_gpt2_names(state_dict: Mapping[str, np.ndarray]) -> StateDict:

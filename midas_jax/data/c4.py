@@ -9,9 +9,9 @@ in `data_dir` (None: TFDS's default, $TFDS_DATA_DIR or ~/tensorflow_datasets). B
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
+from midas_jax import fs
 from midas_jax.data import seqio_source
 
 C4_TFDS_NAME = "c4/en:3.0.1"
@@ -26,7 +26,7 @@ def register_c4(name: str = "c4_en", *, spm_model: str, tfds_name: str = C4_TFDS
   """
   seqio = seqio_source.import_seqio()  # lazy: TensorFlow
 
-  vocab = seqio.SentencePieceVocabulary(os.path.expanduser(spm_model), extra_ids=extra_ids)
+  vocab = seqio.SentencePieceVocabulary(fs.check(spm_model, "DataConfig.spm_model"), extra_ids=extra_ids)
   if name in seqio.TaskRegistry.names():
     seqio.TaskRegistry.remove(name)
   return seqio.TaskRegistry.add(

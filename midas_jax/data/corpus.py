@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import random
 from typing import Callable, Dict, List, Mapping, NamedTuple, Set, Tuple
+
+from midas_jax import fs
 
 SPLITS = ("train", "validation")
 SIZES = {"train": 20_000, "validation": 1_000}
@@ -342,10 +343,10 @@ def documents(split: str, seed: int = 0) -> List[Document]:
 
 def write_text_files(out_dir: str, seed: int = 0) -> Dict[str, str]:
   """Writes train.txt and validation.txt (documents separated by one blank line); returns the paths."""
-  os.makedirs(out_dir, exist_ok=True)
+  out_dir = fs.check(out_dir, "--out")
+  fs.makedirs(out_dir)
   paths = {}
   for split in SPLITS:
-    paths[split] = os.path.join(out_dir, f"{split}.txt")
-    with open(paths[split], "w", encoding="utf-8") as f:
-      f.write("\n\n".join(d.text for d in _documents(split, seed)) + "\n")
+    paths[split] = fs.join(out_dir, f"{split}.txt")
+    fs.write_text(paths[split], "\n\n".join(d.text for d in _documents(split, seed)) + "\n")
   return paths

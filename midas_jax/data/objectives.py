@@ -339,20 +339,35 @@ class SpecialTokens:
     return cls(tuple(d["sentinel_ids"]), dict(d["mode_ids"]))
 
 
-def special_tokens(vocab_size: int, extra_ids: int, num_sentinels: int = 100,
-                   modes: Sequence[str] = MODES) -> SpecialTokens:
+def special_tokens(vocab_size: int, extra_ids: int, num_sentinels: int = 100, modes: Sequence[str] = MODES,
+                   own: Optional[Dict[str, int]] = None, reserved: int = 0) -> SpecialTokens:
   """Sentinel k = vocab_size-1-k (T5's <extra_id_k>); modes take the next extra ids down.
 
   vocab_size is the vocabulary's (base + extra_ids), not the model's padded embedding size.
+  own: the tokenizer's own tokens by name ("<extra_id_3>", "[NLU]"), which keep their ids; the
+  others take the extra ids counting down from the top, in that order (with no own tokens: the rule
+  above). reserved: the extra ids at the bottom that the vocabulary took for a pad or eos it lacked
+  (data/vocab.py), which the others must not reach.
   """
-  need = num_sentinels + len(modes)
+  own = own or {}
+  names = [f"<extra_id_{k}>" for k in range(num_sentinels)] + list(modes)
+  need = reserved + sum(n not in own for n in names)
   if extra_ids < need:
+    taken = f" and {reserved} appended pad/eos" if reserved else ""
     raise ConfigError("DataConfig.extra_ids",
                       f"{extra_ids} extra ids, but {num_sentinels} sentinels + {len(modes)} mode "
-                      f"tokens need {need}", f"set DataConfig.extra_ids >= {need} (128 is the default)")
-  top = vocab_size - 1
-  return SpecialTokens(tuple(top - k for k in range(num_sentinels)),
-                       {m: top - num_sentinels - j for j, m in enumerate(modes)})
+                      f"tokens{taken} need {need}", f"set DataConfig.extra_ids >= {need} (128 is the default)")
+  free = iter(range(vocab_size - 1, -1, -1))
+  ids = [own[name] if name in own else next(free) for name in names]
+  return SpecialTokens(tuple(ids[:num_sentinels]), dict(zip(modes, ids[num_sentinels:])))
+
+
+def vocabulary_special_tokens(vocab, num_sentinels: int = 100, modes: Sequence[str] = MODES) -> SpecialTokens:
+  """special_tokens for a vocabulary (data/vocab.py): its own sentinel and mode tokens where it has
+  them, the top extra ids otherwise."""
+  names = [f"<extra_id_{k}>" for k in range(num_sentinels)] + list(modes)
+  own = {n: i for n in names if (i := vocab.own_token_id(n)) is not None}
+  return special_tokens(vocab.vocab_size, vocab.extra_ids, num_sentinels, modes, own, vocab.reserved_extra_ids)
 
 
 # ----------------------------------------------------------------------------- examples

@@ -3,7 +3,8 @@
 An example is a token sequence with a bidirectional prefix of `prefix_len` tokens (0 for causal
 LM) and an objective id. A row packs several examples; per token it carries
 
-  inputs         the example shifted right by one, 0 (BOS) first
+  inputs         the example shifted right by one, BOS first (0, seqio's decoder start, unless the
+                 vocabulary has a token of its own for it: data/vocab.py start_id)
   targets        the example's tokens: targets[i] is predicted from inputs[: i + 1]
   positions      0, 1, ... within each example
   segment_ids    1, 2, ... per example; 0 marks padding
@@ -57,8 +58,8 @@ def pack_row(examples: Sequence[Example], seq_len: int) -> Dict[str, np.ndarray]
 
 
 def pack_rows(targets: np.ndarray, lengths: np.ndarray, prefix_lens: np.ndarray,
-              objective_ids: np.ndarray) -> Dict[str, np.ndarray]:
-  """All fields of many rows at once, from their tokens.
+              objective_ids: np.ndarray, bos_id: int = 0) -> Dict[str, np.ndarray]:
+  """All fields of many rows at once, from their tokens; each example's inputs start with bos_id.
 
   targets (rows, seq_len): each row's examples one after another from slot 0, zeros after them.
   lengths, prefix_lens, objective_ids (rows, T): each row's examples in order; example t of a row
@@ -91,7 +92,8 @@ def pack_rows(targets: np.ndarray, lengths: np.ndarray, prefix_lens: np.ndarray,
   flat = targets.reshape(-1)
   inputs = np.empty_like(flat)
   inputs[1:] = flat[:-1]
-  inputs[positions == 0] = 0  # BOS at each example's start; padding stays 0
+  inputs[(positions == 0) & (segment_ids > 0)] = bos_id  # BOS at each example's start
+  inputs[segment_ids == 0] = 0  # padding
   rows = {"inputs": inputs, "targets": flat, "positions": positions, "segment_ids": segment_ids,
           "prefix_mask": positions <= bidir_last,
           "loss_weights": (positions >= loss_first).astype(np.float32), "objective_ids": objective}

@@ -75,10 +75,84 @@ _SLOT_COUNTERS = (_DRAWS_PER_SLOT * np.arange(_SLOTS_PER_DRAW)[:, None, None]
 CAUSAL_ID, PREFIX_ID, SPAN_ID = (objectives.OBJECTIVE_IDS[k] for k in ("causal", "prefix", "span"))
 
 
+def example_tables(config: DataConfig, entries: Sequence[MixtureEntry],
+                   special: objectives.SpecialTokens) -> Dict[str, np.ndarray]:
+  """What the fill loop and the layout look up instead of computing per example, for each mixture
+  entry e and length i in [0, seq_len], each (entries, seq_len + 1):
+    budget     the longest raw window whose example fits in i slots (0 when under 2 tokens fit,
+               which ends the row)
+    for a raw length i (under 2 tokens: causal LM, no mode token):
+    kind       the objective id
+    mode_id    the mode token leading the example, 0 for none
+    length     the example's length: the raw tokens, 2 sentinels per span, the mode token
+    prefix     its prefix length when no draw decides it (causal 0, span [mode] + inputs)
+    num_noise, num_spans   of span corruption
+  """
+  s = config.seq_len
+  raw = np.arange(s + 1)
+  t = {k: np.zeros((len(entries), s + 1), np.int64)
+       for k in ("budget", "kind", "mode_id", "length", "prefix", "num_noise", "num_spans")}
+  for i, entry in enumerate(entries):
+    d = entry.denoiser
+    mode = int(config.mode_tokens and d.kind != "causal" and d.mode is not None)
+    t["kind"][i], t["mode_id"][i] = objectives.OBJECTIVE_IDS[d.kind], mode and special.mode_ids[d.mode]
+    if d.kind == "span":
+      t["num_noise"][i], t["num_spans"][i] = objectives.span_count_table(
+          s, d.noise_density, d.mean_noise_span_length)
+      t["prefix"][i] = mode + raw - t["num_noise"][i] + t["num_spans"][i]
+    t["length"][i] = raw + 2 * t["num_spans"][i] + mode
+    fits = span_budget_table(config, d) if d.kind == "span" else raw
+    t["budget"][i, mode:] = fits[:s + 1 - mode]
+  t["budget"][t["budget"] < 2] = 0
+  t["kind"][:, :2] = t["mode_id"][:, :2] = t["prefix"][:, :2] = 0  # under 2 raw tokens: causal LM
+  t["length"][:, :2] = raw[:2]
+  return t
+
+
+def span_budget_table(config: DataConfig, denoiser: objectives.Denoiser) -> np.ndarray:
+  """table[b] = the longest raw length whose corrupted length is <= b, for b in [0, seq_len].
+
+  Span corruption also needs a sentinel per span: windows are capped so that they never need more
+  than num_sentinels (long rows with dense noise then hold several shorter examples).
+  """
+  d, mu = denoiser.noise_density, denoiser.mean_noise_span_length
+  raw = np.arange(config.seq_len + 1)
+  spans = objectives.span_count_table(config.seq_len, d, mu)[1]
+  usable = raw[spans <= config.num_sentinels]  # span counts only grow with length
+  corrupted = usable + 2 * spans[usable]
+  return usable[np.searchsorted(corrupted, raw, side="right") - 1]
+
+
+def place_examples(size: int, tokens: np.ndarray, first, body, n, kind, mode_id, num_noise, num_spans,
+                   span_keys, sentinel_ids: np.ndarray) -> np.ndarray:
+  """A flat targets array of `size` slots holding examples, one entry per example in each of the
+  arguments: its raw tokens are tokens[first:first + n]; its body (after the mode token mode_id, if
+  any) starts at slot `body`; span examples (kind SPAN_ID) are corrupted with their num_noise /
+  num_spans counts and span_keys (one row of uint64 keys per span example, in order). Everything
+  moves as blocks: the windows of causal and prefix examples, the spans of span examples."""
+  targets = np.zeros(size, np.int32)
+  mode = mode_id > 0
+  targets[body[mode] - 1] = mode_id[mode]
+  span = kind == SPAN_ID
+  plain = ~span & (n > 0)
+  blocks = [(first[plain], body[plain], n[plain])]
+  if span.any():
+    *spans, sentinel_dest, rank = objectives.span_layout(
+        n[span], num_noise[span], num_spans[span], span_keys, in_offsets=first[span], out_offsets=body[span])
+    targets[sentinel_dest] = sentinel_ids[rank]
+    blocks.append(spans)
+  block_src, block_dest, count = (np.concatenate(b) for b in zip(*blocks))
+  src = objectives.ranges(block_src, count)
+  targets[src + (block_dest - block_src).repeat(count)] = tokens[src]
+  return targets
+
+
 class Pipeline:
   """Packed UL2 rows over tokenized documents, addressed by (split, step, row)."""
 
-  def __init__(self, config: DataConfig, documents: Dict[str, List[np.ndarray]], vocab_size: int):
+  def __init__(self, config: DataConfig, documents: Dict[str, List[np.ndarray]], vocab_size: int, vocab=None):
+    """vocab: the vocabulary (data/vocab.py), whose own special tokens are then used and recorded;
+    without it the sentinels and mode tokens are the top extra ids of vocab_size."""
     for split, docs in documents.items():
       require(len(docs) > 0, "DataConfig", f"the {split} split has no documents",
               "check the data source (DataConfig.source / train_files / eval_files)")
@@ -86,61 +160,19 @@ class Pipeline:
             f"{config.seq_len} needs more random draws per row than a row has", "use seq_len < 2,000,000")
     self.config = config
     self.documents = documents
-    self.special = objectives.special_tokens(vocab_size, config.extra_ids, config.num_sentinels)
+    self.special = (objectives.special_tokens(vocab_size, config.extra_ids, config.num_sentinels) if vocab is None
+                    else objectives.vocabulary_special_tokens(vocab, config.num_sentinels))
+    self._vocabulary = None if vocab is None else vocab.special_ids()
+    self._bos_id = 0 if vocab is None else vocab.start_id
     self.entries = mixture(config)
     self._cumulative = np.cumsum([e.probability for e in self.entries])
     self._cumulative[-1] = 1.0
-    self._tables()
+    self._table = {k: v.ravel() for k, v in example_tables(config, self.entries, self.special).items()}
     self._keys = {split: streams.split_key(config.seed, i) for split, i in SPLITS.items()}
     self._pools = {split: _Pool(docs) for split, docs in documents.items()}
     self._cache: Dict[tuple, Dict[int, Dict[str, np.ndarray]]] = {}  # (split, process) -> step -> batch
     self._lock = threading.Lock()  # batch() may be called from a prefetch thread and the main one
     self._sentinel_ids = np.asarray(self.special.sentinel_ids, np.int32)
-
-  def _tables(self):
-    """What the fill loop and the layout look up instead of computing per example, for each mixture
-    entry e and length i in [0, seq_len], flattened at e * (seq_len + 1) + i:
-      budget     the longest raw window whose example fits in i slots (0 when under 2 tokens fit,
-                 which ends the row)
-      for a raw length i (under 2 tokens: causal LM, no mode token):
-      kind       the objective id
-      mode_id    the mode token leading the example, 0 for none
-      length     the example's length: the raw tokens, 2 sentinels per span, the mode token
-      prefix     its prefix length when no draw decides it (causal 0, span [mode] + inputs)
-      num_noise, num_spans   of span corruption
-    """
-    cfg, s = self.config, self.config.seq_len
-    raw = np.arange(s + 1)
-    t = {k: np.zeros((len(self.entries), s + 1), np.int64)
-         for k in ("budget", "kind", "mode_id", "length", "prefix", "num_noise", "num_spans")}
-    for i, entry in enumerate(self.entries):
-      d = entry.denoiser
-      mode = int(cfg.mode_tokens and d.kind != "causal" and d.mode is not None)
-      t["kind"][i], t["mode_id"][i] = objectives.OBJECTIVE_IDS[d.kind], mode and self.special.mode_ids[d.mode]
-      if d.kind == "span":
-        t["num_noise"][i], t["num_spans"][i] = objectives.span_count_table(
-            s, d.noise_density, d.mean_noise_span_length)
-        t["prefix"][i] = mode + raw - t["num_noise"][i] + t["num_spans"][i]
-      t["length"][i] = raw + 2 * t["num_spans"][i] + mode
-      fits = self._span_budget_table(d) if d.kind == "span" else raw
-      t["budget"][i, mode:] = fits[:s + 1 - mode]
-    t["budget"][t["budget"] < 2] = 0
-    t["kind"][:, :2] = t["mode_id"][:, :2] = t["prefix"][:, :2] = 0  # under 2 raw tokens: causal LM
-    t["length"][:, :2] = raw[:2]
-    self._table = {k: v.ravel() for k, v in t.items()}
-
-  def _span_budget_table(self, denoiser: objectives.Denoiser) -> np.ndarray:
-    """table[b] = the longest raw length whose corrupted length is <= b, for b in [0, seq_len].
-
-    Span corruption also needs a sentinel per span: windows are capped so that they never need more
-    than num_sentinels (long rows with dense noise then hold several shorter examples).
-    """
-    d, mu = denoiser.noise_density, denoiser.mean_noise_span_length
-    raw = np.arange(self.config.seq_len + 1)
-    spans = objectives.span_count_table(self.config.seq_len, d, mu)[1]
-    usable = raw[spans <= self.config.num_sentinels]  # span counts only grow with length
-    corrupted = usable + 2 * spans[usable]
-    return usable[np.searchsorted(corrupted, raw, side="right") - 1]
 
   def _slot_draws(self, key: np.ndarray, rows: np.ndarray, t: int, pool: "_Pool") -> Tuple[np.ndarray, ...]:
     """For example slots t.. t + _SLOTS_PER_DRAW - 1 of each row: the table offset of the mixture
@@ -187,27 +219,18 @@ class Pipeline:
     if drawn.any():
       prefix_lens[drawn] = mode[drawn] + objectives.prefix_lengths(n[drawn], u_split[drawn])
 
-    # The tokens: mode tokens, sentinels, and blocks moved from the pool: the windows of causal and
-    # prefix examples, the spans of span examples (one layout for all of them).
-    targets = np.zeros(len(rows) * s, np.int32)
-    targets[body[mode] - 1] = mode_id[mode]
+    # The tokens: mode tokens, sentinels, and blocks moved from the pool. Span keys: the token at
+    # row slot i draws at counter 4 * seq_len + i (the table's columns past an example's length are
+    # drawn too, and ignored).
     span = kind == SPAN_ID
-    plain = ~span & (n > 0)
-    blocks = [(first[plain], body[plain], n[plain])]
+    keys = None
     if span.any():
-      # Span keys: the token at row slot i draws at counter 4 * seq_len + i (the table's columns
-      # past an example's length are drawn too, and ignored).
       at_key = streams.positions(rows[:, None], _DRAWS_PER_SLOT * s + offset)[span]
       keys = streams.bits(key, at_key[:, None] + np.arange(n[span].max()))
-      *spans, sentinel_dest, rank = objectives.span_layout(
-          n[span], table["num_noise"][at[span]], table["num_spans"][at[span]], keys,
-          in_offsets=first[span], out_offsets=body[span])
-      targets[sentinel_dest] = self._sentinel_ids[rank]
-      blocks.append(spans)
-    block_src, block_dest, size = (np.concatenate(b) for b in zip(*blocks))
-    src = objectives.ranges(block_src, size)
-    targets[src + (block_dest - block_src).repeat(size)] = pool.tokens[src]
-    return pack_rows(targets.reshape(len(rows), s), lengths, prefix_lens, kind)
+    targets = place_examples(len(rows) * s, pool.tokens, first.ravel(), body.ravel(), n.ravel(), kind.ravel(),
+                             mode_id.ravel(), table["num_noise"][at].ravel(), table["num_spans"][at].ravel(),
+                             keys, self._sentinel_ids)
+    return pack_rows(targets.reshape(len(rows), s), lengths, prefix_lens, kind, self._bos_id)
 
   def batch(self, step: int, split: str = "train", process_index: int = 0,
             process_count: int = 1) -> Dict[str, np.ndarray]:
@@ -240,10 +263,18 @@ class Pipeline:
       self._cache[where] = batches
     return mine
 
+  def epoch(self, steps: int) -> float:
+    """Row slots of `steps` steps per token of the train split. Rows draw documents with
+    replacement, so this counts corpus-sizes of training, not passes over every document."""
+    return steps * self.config.batch_size * self.config.seq_len / len(self._pools["train"].tokens)
+
   def describe(self) -> Dict[str, object]:
     """The mixture and the pinned special-token ids, for config files and checkpoint metadata."""
-    return {"objectives": [dict(e.denoiser.to_json(), probability=e.probability) for e in self.entries],
-            "special_tokens": self.special.to_json(), "mode_tokens": self.config.mode_tokens}
+    out = {"objectives": [dict(e.denoiser.to_json(), probability=e.probability) for e in self.entries],
+           "special_tokens": self.special.to_json(), "mode_tokens": self.config.mode_tokens}
+    if self._vocabulary is not None:
+      out["vocabulary"] = self._vocabulary
+    return out
 
 
 class _Pool:

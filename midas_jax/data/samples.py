@@ -1,7 +1,10 @@
 """What the model trains on, in words: packed batches decoded back into examples.
 
 Sentinels print as <extra_id_k> and mode tokens as [NLU] / [NLG] / [S2S], so a span-corruption
-example reads like T5's documentation.
+example reads like T5's documentation. From a prepared store each record also says which document
+of the split the example came from and which of its tokens it used ("document", "start",
+"length": tokens [start, start + length) of that document, before corruption), so coverage can be
+checked from the samples alone.
 """
 
 from __future__ import annotations
@@ -32,20 +35,30 @@ def render(tokens, vocab, special: SpecialTokens) -> str:
   return "".join(parts)
 
 
-def sample_records(pipeline, vocab, steps: int, split: str = "train") -> Iterator[Dict[str, object]]:
-  """One record per packed example of the first `steps` global batches."""
+def sample_records(pipeline, vocab, steps: int, split: str = "train", process_index: int = 0,
+                   process_count: int = 1) -> Iterator[Dict[str, object]]:
+  """One record per packed example of this process's rows of the first `steps` global batches;
+  "row" is the row's index in the global batch."""
+  with_sources = hasattr(pipeline, "batch_with_sources")
   for step in range(steps):
-    batch = pipeline.batch(step, split)
+    if with_sources:
+      batch, sources = pipeline.batch_with_sources(step, split, process_index, process_count)
+    else:
+      batch, sources = pipeline.batch(step, split, process_index, process_count), None
+    first_row = process_index * batch["segment_ids"].shape[0]
     for row in range(batch["segment_ids"].shape[0]):
       seg = batch["segment_ids"][row]
       for s in range(1, int(seg.max()) + 1):
         where = seg == s
         tokens = batch["targets"][row][where]
         prefix_len = int((batch["loss_weights"][row][where] == 0).sum())
-        yield {
-            "step": step, "row": row, "segment": s,
+        record = {
+            "step": step, "row": first_row + row, "segment": s,
             "objective": OBJECTIVES[int(batch["objective_ids"][row][where][0])],
             "prefix": render(tokens[:prefix_len], vocab, pipeline.special),
             "target": render(tokens[prefix_len:], vocab, pipeline.special),
             "prefix_tokens": prefix_len, "target_tokens": int(len(tokens) - prefix_len),
         }
+        if sources is not None:
+          record.update({k: int(sources[k][row, s - 1]) for k in ("document", "start", "length")})
+        yield record

@@ -5,9 +5,9 @@ documents at random from the whole split, so the pipeline needs random access to
 which a tf.data stream cannot give. The first `DataConfig.max_documents` examples of the split are
 therefore read once, in the task's own order (no shuffling, one epoch), and kept as one flat int32
 token array plus document offsets. max_documents bounds the memory and the one-time read (100k C4
-documents are about 50M tokens with a 32k SentencePiece model, 200 MB). A corpus too large to
-materialize needs a sharded on-disk cache addressed by global document index (e.g. ArrayRecord shards
-written offline); that is future work.
+documents are about 50M tokens with a 32k SentencePiece model, 200 MB). A corpus too large for that
+is prepared into a store instead (`midas data prepare`, data/store/), which reads the task's
+shards in parallel through `task_documents`.
 
 Why a cache. Reading a TFDS split through TensorFlow takes minutes at large max_documents, and every
 restart would repeat it (resume must not stall on data). The
@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import io
 import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 import time
-from typing import List, Optional
+import uuid
+from typing import Iterator, List, Optional
 
 import numpy as np
 
+from midas_jax import fs
 from midas_jax.configs import DataConfig
 from midas_jax.data.vocab import make_vocabulary
 from midas_jax.errors import ConfigError, require
@@ -52,8 +53,7 @@ _log = logging.getLogger(__name__)
 
 def default_cache_dir() -> str:
   """$XDG_CACHE_HOME/midas_jax/seqio, i.e. ~/.cache/midas_jax/seqio by default."""
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "midas_jax", "seqio")
+  return fs.join(os.environ.get("XDG_CACHE_HOME") or fs.check("~/.cache", "XDG_CACHE_HOME"), "midas_jax", "seqio")
 
 
 def import_seqio():
@@ -102,22 +102,11 @@ def load_token_documents_from_task(config: DataConfig, split: str, cache_dir: Op
 
 def cache_path(config: DataConfig, name: str, vocab, cache_dir: Optional[str] = None) -> str:
   """The folder caching the tokens of split `name` of the task under `vocab`."""
-  key = json.dumps([config.seqio_task, name, config.max_documents, vocabulary_fingerprint(vocab)])
+  key = json.dumps([config.seqio_task, name, config.max_documents, vocab.fingerprint])
   digest = hashlib.sha256(key.encode()).hexdigest()[:16]
   safe = lambda s: re.sub(r"[^\w.-]", "_", s)
   folder = f"{safe(config.seqio_task)}_{safe(name)}_{config.max_documents}_{digest}"
-  return os.path.join(os.path.expanduser(cache_dir or default_cache_dir()), folder)
-
-
-def vocabulary_fingerprint(vocab) -> str:
-  """A hash of what decides the ids: kind, size, EOS, the model file if any, and the probe's ids."""
-  h = hashlib.sha256(f"{type(vocab).__name__}|{vocab.vocab_size}|{vocab.eos_id}".encode())
-  model_file = getattr(vocab, "model_file", None)
-  if model_file:
-    with open(model_file, "rb") as f:
-      h.update(f.read())
-  h.update(repr([int(i) for i in vocab.encode(PROBE)]).encode())
-  return h.hexdigest()
+  return fs.join(fs.check(cache_dir or default_cache_dir(), "seqio cache_dir"), folder)
 
 
 def check_vocabulary(task_vocab, vocab, config: DataConfig) -> None:
@@ -140,7 +129,7 @@ def _describe(seqio_vocab) -> str:
   return f"seqio.{type(seqio_vocab).__name__}{where} ({seqio_vocab.vocab_size} ids)"
 
 
-def _get_task(seqio, name: str):
+def get_task(seqio, name: str):
   if name in seqio.TaskRegistry.names():
     return seqio.TaskRegistry.get(name)
   if name in seqio.MixtureRegistry.names():
@@ -153,7 +142,7 @@ def _get_task(seqio, name: str):
       "DataConfig.seqio_task", f"no seqio Task named {name!r} is registered ({len(names)} are: {shown})",
       (f"did you mean {', '.join(close)}? " if close else "") +
       "fix the name, or import the module that registers the task first (in a gin file: an "
-      "`import module` line, as gin/data/c4.gin does)")
+      "`import module` line, as gin/data/c4_seqio.gin does)")
 
 
 def _targets_vocabulary(task, config: DataConfig, tf):
@@ -169,7 +158,7 @@ def _targets_vocabulary(task, config: DataConfig, tf):
     raise ConfigError("DataConfig.seqio_task",
                       f"task {config.seqio_task!r} cannot load its vocabulary {model_file!r} "
                       f"({type(e).__name__})",
-                      "register the task with an existing SentencePiece model (gin/data/c4.gin: set "
+                      "register the task with an existing SentencePiece model (gin/data/c4_seqio.gin: set "
                       "MIDAS_C4_SPM_MODEL)") from e
   return task_vocab
 
@@ -187,16 +176,19 @@ def _check_split(task, config: DataConfig, split: str) -> None:
           f"set {setting} to one of {available}")
 
 
-def _read_task(config: DataConfig, split: str, vocab) -> List[np.ndarray]:
-  """Runs the task's TF pipeline for the first max_documents non-empty documents."""
+def task_documents(config: DataConfig, split: str, vocab, shard: Optional[tuple] = None) -> Iterator[np.ndarray]:
+  """The task's token documents of `split` (int32, each ending in EOS, all-EOS ones skipped), in
+  the task's order, after checking its vocabulary and split. shard: (index, count) reads only that
+  shard of the task's source (seqio.ShardInfo), as a parallel prepare does."""
   seqio = import_seqio()  # lazy: TensorFlow
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
-  task = _get_task(seqio, config.seqio_task)
+  task = get_task(seqio, config.seqio_task)
   check_vocabulary(_targets_vocabulary(task, config, tf), vocab, config)
   _check_split(task, config, split)
+  shard_info = seqio.ShardInfo(index=shard[0], num_shards=shard[1]) if shard else None
   ds = task.get_dataset(sequence_length=None, split=task_split(config, split), shuffle=False,
-                        use_cached=False, num_epochs=1, try_in_mem_cache=False)
+                        use_cached=False, num_epochs=1, try_in_mem_cache=False, shard_info=shard_info)
   spec = ds.element_spec["targets"]
   require(spec.shape.rank == 1 and spec.dtype.is_integer, "DataConfig.seqio_task",
           f"task {config.seqio_task!r} yields 'targets' of shape {spec.shape} and dtype {spec.dtype.name}",
@@ -208,60 +200,74 @@ def _read_task(config: DataConfig, split: str, vocab) -> List[np.ndarray]:
              .ragged_batch(min(_READ_BATCH, config.max_documents))
              .map(lambda r: (r.values, r.row_splits)))
   eos = np.int32(vocab.eos_id)
-  docs: List[np.ndarray] = []
   for values, bounds in batched.as_numpy_iterator():
     values = values.astype(np.int32)
     for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
       doc = values[a:b]
-      if not np.any(doc != eos):
-        continue
-      docs.append(doc if doc[-1] == eos else np.append(doc, eos))
-      if len(docs) == config.max_documents:
-        return docs
+      if np.any(doc != eos):
+        yield doc if doc[-1] == eos else np.append(doc, eos)
+
+
+def _read_task(config: DataConfig, split: str, vocab) -> List[np.ndarray]:
+  """The first max_documents non-empty documents of the split."""
+  docs: List[np.ndarray] = []
+  for doc in task_documents(config, split, vocab):
+    docs.append(doc)
+    if len(docs) == config.max_documents:
+      return docs
   require(len(docs) > 0, "DataConfig.seqio_task",
           f"split {task_split(config, split)!r} of task {config.seqio_task!r} yields no documents",
           "check the task's data source (for TFDS: that the data set is prepared in its data_dir)")
   return docs
 
 
+_FILES = ("tokens.npy", "offsets.npy", "meta.json")
+
+
 def _is_complete(path: str) -> bool:
-  return all(os.path.isfile(os.path.join(path, f)) for f in ("tokens.npy", "offsets.npy"))
+  return all(fs.isfile(fs.join(path, f)) for f in _FILES)
 
 
 def _save(path: str, array: np.ndarray) -> None:
-  with open(path, "wb") as f:
+  with fs.open_file(path, "wb") as f:
     np.save(f, array)
-    f.flush()
-    os.fsync(f.fileno())  # on disk before the rename makes the folder visible
 
 
 def _write_cache(path: str, docs: List[np.ndarray], meta: dict) -> None:
-  parent = os.path.dirname(path)
+  """Writes the cache where no reader can see a part of it: locally into a temporary folder that
+  is then renamed into place; on an object store straight into place, meta.json last (a folder
+  without it is incomplete and rewritten)."""
+  local = not fs.is_remote(path)
+  folder = f"{path}.tmp-{uuid.uuid4().hex[:12]}" if local else path
   try:
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    fs.makedirs(folder)
   except OSError as e:
-    raise ConfigError("seqio cache_dir", f"cannot write the token cache in {parent} ({e.strerror})",
+    raise ConfigError("seqio cache_dir", f"cannot write the token cache in {folder} ({e.strerror})",
                       "pass a writable cache_dir, or set XDG_CACHE_HOME to a writable folder") from e
   try:
     offsets = np.zeros(len(docs) + 1, np.int64)
     np.cumsum([len(d) for d in docs], out=offsets[1:])
-    _save(os.path.join(tmp, "tokens.npy"), np.concatenate(docs).astype(np.int32))
-    _save(os.path.join(tmp, "offsets.npy"), offsets)
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-      json.dump(meta, f, indent=2)
-    os.rename(tmp, path)
+    _save(fs.join(folder, "tokens.npy"), np.concatenate(docs).astype(np.int32))
+    _save(fs.join(folder, "offsets.npy"), offsets)
+    fs.write_json(fs.join(folder, "meta.json"), meta)
+    if local:
+      fs.rename(folder, path)
   except OSError:
-    shutil.rmtree(tmp, ignore_errors=True)
+    if local:
+      fs.rmtree(folder)
     if not _is_complete(path):  # else another process wrote the same cache first: use it
       raise
 
 
 def _load_cache(path: str) -> List[np.ndarray]:
+  """Local caches are memory-mapped; one on an object store is read whole."""
   fix = "delete that folder; the next run rebuilds it"
   try:
-    tokens = np.load(os.path.join(path, "tokens.npy"), mmap_mode="r")
-    offsets = np.load(os.path.join(path, "offsets.npy"))
+    if fs.is_remote(path):
+      tokens = np.load(io.BytesIO(fs.read_bytes(fs.join(path, "tokens.npy"))))
+    else:
+      tokens = np.load(fs.join(path, "tokens.npy"), mmap_mode="r")
+    offsets = np.load(io.BytesIO(fs.read_bytes(fs.join(path, "offsets.npy"))))
   except (OSError, ValueError) as e:
     raise ConfigError("seqio cache_dir", f"cannot read the token cache {path} ({e})", fix) from e
   require(tokens.dtype == np.int32 and offsets.ndim == 1 and len(offsets) >= 2 and offsets[0] == 0

@@ -16,12 +16,12 @@ import numpy as np
 
 ROW_BITS = 24                  # counters per row: 2**24, far above the ~5 * seq_len a row uses
 MAX_ROWS = 1 << (63 - ROW_BITS)  # positions are int64
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
+def mix(z: np.ndarray) -> np.ndarray:
   """SplitMix64's finalizer, in place on a uint64 array (a bijection with full avalanche)."""
   z ^= z >> _S30
   z *= _M1
@@ -34,8 +34,8 @@ def _mix(z: np.ndarray) -> np.ndarray:
 def split_key(seed: int, split: int) -> np.ndarray:
   """The stream key of one (seed, split): a 1-element uint64 array (arrays wrap silently on
   overflow, numpy scalars warn)."""
-  z = _mix(np.array([seed % (1 << 64)], np.uint64) + _GAMMA)
-  return _mix(z + np.array([split % (1 << 64)], np.uint64) * _GAMMA)
+  z = mix(np.array([seed % (1 << 64)], np.uint64) + GAMMA)
+  return mix(z + np.array([split % (1 << 64)], np.uint64) * GAMMA)
 
 
 def positions(rows, counters) -> np.ndarray:
@@ -45,9 +45,9 @@ def positions(rows, counters) -> np.ndarray:
 
 def bits(key: np.ndarray, positions) -> np.ndarray:
   """64 random bits at each stream position."""
-  z = np.asarray(positions, np.int64).view(np.uint64) * _GAMMA  # positions are >= 0
-  z += key + _GAMMA  # SplitMix64's first output is at key + gamma
-  return _mix(z)
+  z = np.asarray(positions, np.int64).view(np.uint64) * GAMMA  # positions are >= 0
+  z += key + GAMMA  # SplitMix64's first output is at key + gamma
+  return mix(z)
 
 
 def uniforms(key: np.ndarray, positions) -> np.ndarray:

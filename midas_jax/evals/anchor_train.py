@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from midas_jax import fs
 from midas_jax.configs import ModelConfig
 from midas_jax.evals import anchor
 from midas_jax.evals.anchor import AnchorStudyConfig
@@ -157,13 +157,12 @@ def _training_settings(cfg: AnchorStudyConfig) -> dict:
 
 def _read_cells(path: str, settings: dict) -> Dict[tuple, dict]:
   cells = {}
-  if os.path.isfile(path):
-    with open(path) as f:
-      for line in f:
-        if line.strip():
-          row = json.loads(line)
-          if row.get("settings") == settings:
-            cells[(row["gamma"], row["depth"], row["seed"])] = row
+  if fs.isfile(path):
+    for line in fs.read_text(path).splitlines():
+      if line.strip():
+        row = json.loads(line)
+        if row.get("settings") == settings:
+          cells[(row["gamma"], row["depth"], row["seed"])] = row
   return cells
 
 
@@ -183,9 +182,9 @@ def summarize(cfg: AnchorStudyConfig, cells: Sequence[dict]) -> List[dict]:
 
 def run_study(cfg: AnchorStudyConfig, workdir: str, log: Callable[[str], None] = print) -> dict:
   """Trains every missing cell (resuming from cells.jsonl), then writes anchor_study.json and the PNG."""
-  os.makedirs(workdir, exist_ok=True)
+  fs.makedirs(workdir)
   settings = _training_settings(cfg)
-  cells_path = os.path.join(workdir, "cells.jsonl")
+  cells_path = fs.join(workdir, "cells.jsonl")
   done = _read_cells(cells_path, settings)
   sets = eval_sets(cfg.eval_examples)
   for depth in cfg.depths:
@@ -196,17 +195,15 @@ def run_study(cfg: AnchorStudyConfig, workdir: str, log: Callable[[str], None] =
           continue
         cell = train_cell(cfg, gamma, depth, seed, sets)
         done[key] = cell
-        with open(cells_path, "a") as f:
-          f.write(json.dumps(dict(cell, settings=settings)) + "\n")
+        fs.append_text(cells_path, json.dumps(dict(cell, settings=settings)) + "\n")
         log(f"gamma={gamma:<5} depth={depth} seed={seed}: inferential {cell['inferential']:.2f} "
             f"symmetric {cell['symmetric']:.2f} seen {cell['seen']:.2f} -> {cell['kind']} ({cell['seconds']}s)")
   cells = [done[(float(g), d, s)] for d in cfg.depths for g in cfg.gammas for s in cfg.seeds]
   result = {"config": dataclasses.asdict(cfg), "grid": summarize(cfg, cells),
             "cells": [{k: v for k, v in c.items() if k != "settings"} for c in cells]}
-  result["phase_diagram"] = os.path.join(workdir, "phase_diagram.png")
+  result["phase_diagram"] = fs.join(workdir, "phase_diagram.png")
   plot_phase_diagram(cfg, result["grid"], result["phase_diagram"])
-  with open(os.path.join(workdir, "anchor_study.json"), "w") as f:
-    json.dump(result, f, indent=2)
+  fs.write_json(fs.join(workdir, "anchor_study.json"), result)
   return result
 
 
@@ -265,5 +262,5 @@ def plot_phase_diagram(cfg: AnchorStudyConfig, grid: Sequence[dict], path: str) 
   fig.suptitle(f"anchor-function study ({cfg.family}, d_model {cfg.d_model}, {cfg.steps} steps, "
                f"{len(cfg.seeds)} seed(s); hatched: seen accuracy < {cfg.fit_threshold:g})", fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fs.write_figure(path, fig, dpi=110)
   plt.close(fig)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Dict, Tuple
 
+from midas_jax import fs
 from midas_jax.errors import ConfigError
 
 
@@ -85,13 +85,13 @@ def _eval(args, bindings) -> int:
   if options.get("tasks"):
     from midas_jax.evals import primitives  # pylint: disable=import-outside-toplevel
     primitives.task_names(options)
-  if not os.path.exists(args.workdir):
+  if not fs.exists(fs.check(args.workdir, "--workdir")):
     raise ConfigError("--workdir", f"{args.workdir} does not exist", "pass a run's workdir or a params-only export")
   from midas_jax.checkpoint import load_model  # pylint: disable=import-outside-toplevel
   from midas_jax.cli import enable_compilation_cache  # pylint: disable=import-outside-toplevel
   enable_compilation_cache()  # a second eval of the same model reuses the decoding programs
   model = load_model(args.workdir, options.get("step"))
-  out_dir = args.out or os.path.join(args.workdir, "eval")
+  out_dir = args.out or fs.join(args.workdir, "eval")
   done = suites.run_many(names, model, args.workdir, options, out_dir, skip_inapplicable=args.suite == "all")
   for name, record in done.items():
     print(json.dumps({"suite": name, **_summary(record)}))

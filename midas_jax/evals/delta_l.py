@@ -13,11 +13,11 @@ patterns of text files (options a_files, b_files) read as data/sources.py reads 
 
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from midas_jax import fs
 from midas_jax.errors import ConfigError, require
 
 KIND_GROUPS: Dict[str, Tuple[str, ...]] = {
@@ -152,7 +152,7 @@ def _plot(steps, loss_a, loss_b, deltas, names, path) -> None:
   right.set_xlabel("step")
   right.set_ylabel("Delta L = (L_A - L_B) / L_B")
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fs.write_figure(path, fig, dpi=100)
   plt.close(fig)
 
 
@@ -164,7 +164,7 @@ def run_suite(model, workdir: str, out_dir: str, options: dict) -> dict:
   reason = applies(model, options)
   if reason:
     raise ConfigError("a_files", reason, "pass a_files and b_files, or evaluate a run on the built-in corpus")
-  os.makedirs(out_dir, exist_ok=True)
+  fs.makedirs(out_dir)
   names, docs_a, docs_b = _data_sets(model, options)
   require(bool(docs_a) and bool(docs_b), "a" if not docs_a else "b", "the data set has no documents",
           "choose kinds or files that hold held-out documents")
@@ -172,7 +172,7 @@ def run_suite(model, workdir: str, out_dir: str, options: dict) -> dict:
   seq_len = model.config.data.seq_len
   rows = {k: loss_rows([np.asarray(vocab.encode(t) + [vocab.eos_id]) for t in docs], seq_len)
           for k, docs in (("a", docs_a), ("b", docs_b))}
-  steps = [] if is_params_export(os.path.abspath(workdir)) else available_steps(workdir)
+  steps = [] if is_params_export(fs.absolute(workdir, "--workdir")) else available_steps(workdir)
   most = options.get("max_checkpoints")
   steps = pick_steps(steps, int(most)) if most else steps
   steps = steps or [model.step]
@@ -185,6 +185,6 @@ def run_suite(model, workdir: str, out_dir: str, options: dict) -> dict:
                        ("loss_b", round(lb, 5)), ("delta_l", round(delta_l(la, lb), 5))):
       series[key].append(value)
   _plot(series["steps"], series["loss_a"], series["loss_b"], series["delta_l"], names,
-        os.path.join(out_dir, "delta_l.png"))
+        fs.join(out_dir, "delta_l.png"))
   return dict(series, a=names["a"], b=names["b"], documents={"a": len(docs_a), "b": len(docs_b)},
               tokens={k: int(rows[k]["loss_weights"].sum()) for k in rows}, plots=["delta_l.png"])

@@ -11,12 +11,12 @@ groups, the number that shows digits separating from letters over training.
 
 from __future__ import annotations
 
-import os
 import string
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
+from midas_jax import fs
 from midas_jax.errors import require
 
 GROUPS: Tuple[Tuple[str, str], ...] = (
@@ -132,7 +132,7 @@ def _plot(points: List[dict], chars: List[str], groups: List[str], path: str) ->
   handles = [plt.Line2D([], [], color=colors[n], marker="s", ls="", label=n) for n in names]
   fig.legend(handles=handles, loc="lower center", ncol=len(names), fontsize=8)
   fig.tight_layout(rect=(0, 0.04, 1, 1))
-  fig.savefig(path, dpi=90)
+  fs.write_figure(path, fig, dpi=90)
   plt.close(fig)
 
 
@@ -140,7 +140,7 @@ def _checkpoints(model, workdir: str, most: int):
   """(step, LoadedModel) for up to `most` kept checkpoints of the run; just `model` for an export."""
   # pylint: disable-next=import-outside-toplevel
   from midas_jax.checkpoint import available_steps, is_params_export, load_model
-  if is_params_export(os.path.abspath(workdir)):
+  if is_params_export(fs.absolute(workdir, "--workdir")):
     return [(model.step, model)]
   steps = pick_steps(available_steps(workdir), most)
   if not steps:
@@ -156,7 +156,7 @@ def run_suite(model, workdir: str, out_dir: str, options: dict) -> dict:
   Writes embeddings.png (one column per step) and returns, per step, the within/between-group mean
   cosines, the PCA coordinates and variance fractions (the full cosine matrices are in the PNG).
   """
-  os.makedirs(out_dir, exist_ok=True)
+  fs.makedirs(out_dir)
   chosen = options.get("embedding_tokens")
   chars, ids, groups = single_token_ids(model.vocab, (("chosen", str(chosen)),) if chosen else GROUPS)
   require(len(ids) >= 2, "embedding_tokens", f"only {len(ids)} of the characters are single tokens",
@@ -166,7 +166,7 @@ def run_suite(model, workdir: str, out_dir: str, options: dict) -> dict:
   for step, loaded in _checkpoints(model, workdir, most):
     point = analyse(loaded.params, ids, groups)
     points.append(dict(point, step=step, stage=loaded.stage))
-  _plot(points, chars, groups, os.path.join(out_dir, "embeddings.png"))
+  _plot(points, chars, groups, fs.join(out_dir, "embeddings.png"))
   return {
       "tokens": chars, "token_ids": ids, "token_groups": groups,
       "steps": [p["step"] for p in points],

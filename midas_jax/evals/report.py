@@ -5,17 +5,16 @@ It reads what training and evaluation left in the workdir and computes nothing n
   stages.json    -> the growth steps drawn as stage boundaries, and the final stage and depth
   eval/*.json    -> tables: k-shot and fine-tuned primitive accuracy, looping, closed vs open book
   eval/*.png     -> embedded as they are (similarity heatmaps and the suites' own figures)
+  time/* records -> where the run's wall time went (goodput): a table and a stacked bar
 It writes DIR/report.md and its figures under DIR/report/. A compare folder (baseline/ and the
 stacked run side by side) gets one page with a column per run.
 """
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from midas_jax import fs
 from midas_jax.errors import ConfigError
 
 OBJECTIVE_KEYS = ("loss", "loss/causal", "loss/prefix", "loss/span")
@@ -47,9 +46,9 @@ def bar_chart(path: str, values: Mapping[str, float], title: str, reference: Opt
   ax.set_ylabel("accuracy")
   ax.set_title(title, fontsize=9)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fs.write_figure(path, fig, dpi=100)
   plt.close(fig)
-  return os.path.basename(path)
+  return fs.basename(path)
 
 
 def line_chart(path: str, series: Mapping[str, Sequence[float]], xs: Sequence[float], xlabel: str, ylabel: str,
@@ -66,29 +65,28 @@ def line_chart(path: str, series: Mapping[str, Sequence[float]], xs: Sequence[fl
   ax.set_title(title, fontsize=9)
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fs.write_figure(path, fig, dpi=100)
   plt.close(fig)
-  return os.path.basename(path)
+  return fs.basename(path)
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading a run
 
 def _is_run(path: str) -> bool:
-  return any(os.path.exists(os.path.join(path, f)) for f in ("metrics.jsonl", "stages.json", "eval"))
+  return any(fs.exists(fs.join(path, f)) for f in ("metrics.jsonl", "stages.json", "eval"))
 
 
 def find_runs(workdir: str) -> List[Tuple[str, str]]:
   """(name, directory) of the run in `workdir`, or of each run of a compare folder (baseline first)."""
   if _is_run(workdir):
-    return [(os.path.basename(os.path.normpath(workdir)) or "run", workdir)]
+    return [(fs.basename(workdir) or "run", workdir)]
   names = []
-  comparison = os.path.join(workdir, "comparison.json")
-  if os.path.isfile(comparison):
-    with open(comparison) as f:
-      names = [row["run"] for row in json.load(f).get("runs", [])]
-  names += sorted(n for n in os.listdir(workdir) if n not in names) if os.path.isdir(workdir) else []
-  runs = [(n, os.path.join(workdir, n)) for n in names if os.path.isdir(os.path.join(workdir, n))]
+  comparison = fs.join(workdir, "comparison.json")
+  if fs.isfile(comparison):
+    names = [row["run"] for row in fs.read_json(comparison).get("runs", [])]
+  names += sorted(n for n in fs.listdir(workdir) if n not in names) if fs.isdir(workdir) else []
+  runs = [(n, fs.join(workdir, n)) for n in names if fs.isdir(fs.join(workdir, n))]
   return [(n, d) for n, d in runs if _is_run(d)]
 
 
@@ -99,27 +97,27 @@ def _last_per_step(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def _read_json(path: str) -> Optional[Dict[str, Any]]:
-  if not os.path.isfile(path):
+  if not fs.isfile(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  return fs.read_json(path)
 
 
 def load_run(name: str, directory: str) -> Dict[str, Any]:
   from midas_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
-  stages = _read_json(os.path.join(directory, "stages.json")) or {}
+  stages = _read_json(fs.join(directory, "stages.json")) or {}
   evals = {}
-  for path in sorted(glob.glob(os.path.join(directory, "eval", "*.json"))):
+  for path in fs.glob(fs.join(directory, "eval", "*.json")):
     record = _read_json(path)
     if isinstance(record, dict) and "results" in record:
-      evals[os.path.basename(path)[:-len(".json")]] = record
+      evals[fs.basename(path)[:-len(".json")]] = record
   growth_steps = [g["step"] for g in stages.get("growths", [])]
   if not growth_steps:
     growth_steps = [r["step"] for r in read_metrics(directory, "stage")]
   return {"name": name, "dir": directory, "train": _last_per_step(read_metrics(directory, "train")),
           "eval_loss": _last_per_step(read_metrics(directory, "eval")), "stages": stages,
           "growth_steps": growth_steps, "evals": evals,
-          "pngs": sorted(glob.glob(os.path.join(directory, "eval", "*.png")))}
+          "time": read_metrics(directory, "train"),
+          "pngs": fs.glob(fs.join(directory, "eval", "*.png"))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,7 +145,7 @@ def plot_losses(runs: List[Dict[str, Any]], path: str) -> Optional[str]:
   axes[0][0].set_ylabel("loss")
   axes[0][0].legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fs.write_figure(path, fig, dpi=100)
   plt.close(fig)
   return path
 
@@ -168,7 +166,7 @@ def plot_throughput(runs: List[Dict[str, Any]], path: str) -> Optional[str]:
   ax.set_title("throughput (dashed: stage boundaries)")
   ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fs.write_figure(path, fig, dpi=100)
   plt.close(fig)
   return path
 
@@ -234,7 +232,63 @@ def _suite_note(runs, suite: str) -> str:
   return "; ".join(parts)
 
 
-def eval_sections(runs: List[Dict[str, Any]], rel=os.path.relpath) -> List[str]:
+# ---------------------------------------------------------------------------------------------
+# Goodput: where the wall time went
+
+def goodput_rows(runs: List[Dict[str, Any]]) -> List[Tuple[str, Dict[str, float]]]:
+  """(run name, seconds per activity) for the runs whose records carry time/* breakdowns."""
+  from midas_jax.train import goodput  # pylint: disable=import-outside-toplevel
+  rows = []
+  for run in runs:
+    totals = goodput.summarize(run["time"])
+    if sum(totals.values()) > 0:
+      rows.append((run["name"], totals))
+  return rows
+
+
+def plot_goodput(rows: List[Tuple[str, Dict[str, float]]], path: str) -> str:
+  """One horizontal bar per run, stacked by activity, as shares of its wall time."""
+  plt = _pyplot()
+  activities = list(rows[0][1])
+  fig, ax = plt.subplots(figsize=(7.5, 0.7 * len(rows) + 1.6))
+  colors = plt.get_cmap("tab10").colors
+  for i, (name, totals) in enumerate(rows):
+    wall = sum(totals.values()) or 1.0
+    left = 0.0
+    for j, activity in enumerate(activities):
+      share = totals[activity] / wall
+      ax.barh(i, share, left=left, color=colors[j % len(colors)], label=activity if i == 0 else None)
+      if share >= 0.06:
+        ax.text(left + share / 2, i, f"{share:.0%}", ha="center", va="center", fontsize=7, color="white")
+      left += share
+  ax.set_yticks(range(len(rows)), [name for name, _ in rows])
+  ax.set_xlim(0, 1)
+  ax.set_xlabel("share of wall time")
+  ax.set_title("where the time went (goodput: the 'step' share)", fontsize=9)
+  ax.legend(fontsize=7, ncol=len(activities), loc="upper center", bbox_to_anchor=(0.5, -0.35))
+  fig.tight_layout()
+  fs.write_figure(path, fig, dpi=100)
+  plt.close(fig)
+  return path
+
+
+def goodput_section(runs: List[Dict[str, Any]], path: str, rel) -> List[str]:
+  rows = goodput_rows(runs)
+  if not rows:
+    return []
+  activities = list(rows[0][1])
+  table = []
+  for name, totals in rows:
+    wall = sum(totals.values())
+    table.append([name, wall] + [f"{totals[a]:.1f} s ({totals[a] / wall:.0%})" for a in activities])
+  return (["", "## Where the time went", "",
+           "Seconds of wall time per activity, summed over the log lines (a resumed run counts the "
+           "attempts its records kept); `step` is productive training, its share the run's goodput.", ""]
+          + _table(["run", "wall seconds"] + activities, table)
+          + ["", f"![where the time went]({rel(plot_goodput(rows, path))})"])
+
+
+def eval_sections(runs: List[Dict[str, Any]], rel=lambda p: p) -> List[str]:
   names = [run["name"] for run in runs]
   lines: List[str] = []
   has = lambda suite: any(suite in run["evals"] for run in runs)  # noqa: E731
@@ -281,46 +335,46 @@ def eval_sections(runs: List[Dict[str, Any]], rel=os.path.relpath) -> List[str]:
     for run in runs:
       for suite in others:
         if suite in run["evals"]:
-          path = rel(os.path.join(run["dir"], "eval", f"{suite}.json"))
+          path = rel(fs.join(run["dir"], "eval", f"{suite}.json"))
           lines.append(f"- {run['name']}: `{suite}` at step {run['evals'][suite]['step']}: see `{path}`")
   return lines
 
 
 def write_report(workdir: str, out: Optional[str] = None) -> str:
-  """Writes the report page and its figures; returns the page's path."""
-  if not os.path.isdir(workdir):
+  """Writes the report page and its figures; returns the page's path (a local path or a URL)."""
+  workdir = fs.absolute(workdir, "--workdir")
+  if not fs.isdir(workdir):
     raise ConfigError("--workdir", f"{workdir} is not a directory", "pass the --workdir of a run or of `midas compare`")
   found = find_runs(workdir)
   if not found:
     raise ConfigError("--workdir", f"no run in {workdir} (no metrics.jsonl, stages.json or eval/)",
                       "pass the --workdir of a `midas train`, `midas compare` or `midas eval` run")
   runs = [load_run(name, d) for name, d in found]
-  out = out or os.path.join(workdir, "report.md")
-  base = os.path.dirname(os.path.abspath(out))
-  fig_dir = os.path.join(base, "report")
-  os.makedirs(fig_dir, exist_ok=True)
-  rel = lambda p: os.path.relpath(p, base)  # noqa: E731
-  title = os.path.basename(os.path.normpath(os.path.abspath(workdir)))
-  lines = [f"# Run report: {title}", "", f"Runs: {', '.join(r['name'] for r in runs)}.", ""]
+  out = fs.absolute(out, "--out") if out else fs.join(workdir, "report.md")
+  base = fs.dirname(out)
+  fig_dir = fs.join(base, "report")
+  fs.makedirs(fig_dir)
+  rel = lambda p: fs.relative(p, base)  # noqa: E731
+  lines = [f"# Run report: {fs.basename(workdir)}", "", f"Runs: {', '.join(r['name'] for r in runs)}.", ""]
   lines += runs_table(runs)
-  losses = plot_losses(runs, os.path.join(fig_dir, "loss_curves.png"))
+  losses = plot_losses(runs, fs.join(fig_dir, "loss_curves.png"))
   if losses:
     lines += ["", "## Loss per objective", "",
               "Train loss (lines) and held-out loss (points); dashed lines are stage boundaries.", "",
               f"![loss curves]({rel(losses)})"]
-  compared = os.path.join(workdir, "loss_vs_flops.png")  # written by `midas compare`
-  if len(runs) > 1 and os.path.isfile(compared):
+  compared = fs.join(workdir, "loss_vs_flops.png")  # written by `midas compare`
+  if len(runs) > 1 and fs.isfile(compared):
     lines += ["", "## Loss against training FLOPs", "", f"![loss against FLOPs]({rel(compared)})"]
-  throughput = plot_throughput(runs, os.path.join(fig_dir, "throughput.png"))
+  throughput = plot_throughput(runs, fs.join(fig_dir, "throughput.png"))
   if throughput:
     lines += ["", "## Throughput", "", f"![throughput]({rel(throughput)})"]
+  lines += goodput_section(runs, fs.join(fig_dir, "goodput.png"), rel)
   lines += eval_sections(runs, rel)
   pngs = [(run["name"], p) for run in runs for p in run["pngs"]]
   if pngs:
     lines += ["", "## Evaluation figures", ""]
     for name, path in pngs:
-      file = os.path.basename(path)
+      file = fs.basename(path)
       lines += [f"**{name}: {file[:-len('.png')]}**", "", f"![{name} {file}]({rel(path)})", ""]
-  with open(out, "w") as f:
-    f.write("\n".join(lines).rstrip() + "\n")
+  fs.write_text(out, "\n".join(lines).rstrip() + "\n")
   return out

@@ -14,11 +14,11 @@ Everything under params["layers"] carries the leading layers axis of the scanned
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from midas_jax import fs
 from midas_jax.errors import ConfigError, require
 
 
@@ -68,12 +68,13 @@ def similarity(params: Any, block_size: int = 1) -> Dict[str, Any]:
   return {"per_matrix": per, "mean": np.mean(list(per.values()), axis=0)}
 
 
-def last_growth_provenance(operator: str, num_stages: int, block_size: int, stage: int) -> Optional[np.ndarray]:
+def last_growth_provenance(operator: str, num_stages: int, block_size: int, stage: int,
+                           start_blocks: int = 1) -> Optional[np.ndarray]:
   """The provenance map of the growth that made `stage` (None for stage 1): replayed from the operator."""
   from midas_jax.stacking import operators  # pylint: disable=import-outside-toplevel
   if stage <= 1:
     return None
-  depths = operators.stage_depths(operator, num_stages, block_size)
+  depths = operators.stage_depths(operator, num_stages, block_size, start_blocks)
   return operators.provenance_for(operator, depths[stage - 2], block_size)
 
 
@@ -144,7 +145,7 @@ def plot_heatmaps(matrices: Dict[str, np.ndarray], path: str, title: str, axis_l
     fig.colorbar(im, ax=ax, fraction=0.046)
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fs.write_figure(path, fig, dpi=100)
   plt.close(fig)
 
 
@@ -170,7 +171,7 @@ def run_suite(model, workdir: str, out_dir: str, options: dict) -> dict:
   training.
   """
   del workdir
-  os.makedirs(out_dir, exist_ok=True)
+  fs.makedirs(out_dir)
   block_size = _block_size(model, options)
   depth = model.model_config.num_layers
   require(block_size >= 1 and depth % block_size == 0, "block_size",
@@ -180,7 +181,8 @@ def run_suite(model, workdir: str, out_dir: str, options: dict) -> dict:
   stacking = model.config.stacking
   prov = None
   if stacking.num_stages > 1 and model.stage > 1 and block_size == _block_size(model, {}):
-    prov = last_growth_provenance(stacking.operator, stacking.num_stages, block_size, model.stage)
+    prov = last_growth_provenance(stacking.operator, stacking.num_stages, block_size, model.stage,
+                                  stacking.start_blocks)
   pairs = copied_block_pairs(prov, block_size) if prov is not None and len(prov) == depth else []
   result = {
       "step": model.step, "stage": model.stage, "depth": depth, "block_size": block_size,
@@ -200,9 +202,9 @@ def run_suite(model, workdir: str, out_dir: str, options: dict) -> dict:
     result["last_growth"] = {"block_pairs": [list(p) for p in pairs],
                              "similarity": [round(float(blocks["mean"][i, j]), 4) for i, j in pairs]}
   label = f"step {model.step}, stage {model.stage}, depth {depth}"
-  plot_heatmaps(dict(mean=layers["mean"], **layers["per_matrix"]), os.path.join(out_dir, "similarity_layers.png"),
+  plot_heatmaps(dict(mean=layers["mean"], **layers["per_matrix"]), fs.join(out_dir, "similarity_layers.png"),
                 f"layer weight cosine similarity ({label})", "layer")
-  plot_heatmaps({"mean": blocks["mean"]}, os.path.join(out_dir, "similarity_blocks.png"),
+  plot_heatmaps({"mean": blocks["mean"]}, fs.join(out_dir, "similarity_blocks.png"),
                 f"block weight cosine similarity, {block_size} layers per block ({label}); "
                 "red: last growth's copies", "block", marks=pairs)
   result["plots"] = ["similarity_layers.png", "similarity_blocks.png"]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 from typing import Dict
 
+from midas_jax import fs
 from midas_jax.errors import ConfigError
 
 
@@ -61,8 +61,7 @@ def _study(args, bindings) -> int:
   config, operative = study_config_from_gin(args.gin_file, bindings)
   workdir = prepare_workdir(args.workdir)
   enable_compilation_cache()
-  with open(os.path.join(workdir, "operative_config.gin"), "w") as f:
-    f.write(operative)
+  fs.write_text(fs.join(workdir, "operative_config.gin"), operative)
   print(f"anchor study: {config.num_cells} cells ({len(config.gammas)} gammas x {len(config.depths)} depths x "
         f"{len(config.seeds)} seeds) into {workdir}", flush=True)
   result = anchor_train.run_study(config, workdir, log=lambda line: print(line, flush=True))

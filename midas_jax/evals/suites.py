@@ -11,11 +11,10 @@ when their suite runs, so the CLI stays light.
 from __future__ import annotations
 
 import importlib
-import json
-import os
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
+from midas_jax import fs
 from midas_jax.errors import ConfigError
 
 SUITES: Dict[str, str] = {
@@ -113,8 +112,8 @@ def _jsonable(value):
 
 def run(name: str, model, workdir: str, options: Mapping[str, Any], out_dir: Optional[str] = None) -> Dict[str, Any]:
   """Runs one suite and writes <out_dir>/<name>.json with the checkpoint's step, stage and depth."""
-  out_dir = out_dir or os.path.join(workdir, "eval")
-  os.makedirs(out_dir, exist_ok=True)
+  out_dir = out_dir or fs.join(workdir, "eval")
+  fs.makedirs(out_dir)
   reason = skip_reason(name, model, options)
   if reason:
     raise ConfigError("--suite", f"suite {name!r} does not apply to this checkpoint: {reason}",
@@ -126,11 +125,7 @@ def run(name: str, model, workdir: str, options: Mapping[str, Any], out_dir: Opt
             "options": effective_options(options), "seconds": round(time.time() - start, 1),
             "results": results}
   record = _jsonable(record)
-  path = os.path.join(out_dir, f"{name}.json")
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(record, f, indent=2)
-  os.replace(tmp, path)
+  fs.write_json(fs.join(out_dir, f"{name}.json"), record)
   return record
 
 

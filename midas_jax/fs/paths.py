@@ -9,12 +9,19 @@ run creates anything.
 
 The helpers take `str` or path-like arguments and return plain strings where a caller composes
 paths, so code reads the same for both kinds.
+
+gs:// goes through fsspec's gcsfs, for our files and for orbax's (etils.epath would pick
+TensorFlow's tf.io.gfile whenever TensorFlow is installed, which the data extra installs; gcsfs
+is what also talks to a GCS emulator through STORAGE_EMULATOR_HOST). EPATH_USE_TF=true set
+before the first import chooses tf.io.gfile anyway. orbax's array data goes through tensorstore's
+own GCS driver either way (docs/pods.md#storage-on-gcs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import io
 import json
 import os
 import posixpath
@@ -26,6 +33,11 @@ from typing import IO, Any, Iterator, List, Union
 from etils import epath
 
 from midas_jax.errors import ConfigError
+
+os.environ.setdefault("EPATH_USE_TF", "false")  # read by epath on every call: gcsfs, not tf.io.gfile
+# gcsfs's experimental zonal-bucket layer asks the storage control API (with credentials an
+# emulator has no use for) about every bucket, and logs a warning each time it cannot.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 PathLike = Union[str, os.PathLike]
 SCHEMES = ("gs", "s3", "az", "hf")  # what etils.epath, and so orbax, reads and writes
@@ -72,6 +84,26 @@ def join(path: PathLike, *parts: str) -> str:
   return os.path.join(text, *parts)
 
 
+def dirname(path: PathLike) -> str:
+  text = os.fspath(path).rstrip("/") or "/"
+  return posixpath.dirname(text) if is_remote(text) else os.path.dirname(os.path.abspath(text))
+
+
+def basename(path: PathLike) -> str:
+  """The last part of a path or URL (`gs://b/run/` -> `run`)."""
+  text = os.fspath(path).rstrip("/")
+  return posixpath.basename(text) if is_remote(text) else os.path.basename(os.path.normpath(text))
+
+
+def relative(path: PathLike, start: PathLike) -> str:
+  """`path` relative to the directory `start` (both local, or both under one URL)."""
+  path, start = os.fspath(path), os.fspath(start)
+  if is_remote(path) or is_remote(start):
+    prefix = start.rstrip("/") + "/"
+    return path[len(prefix):] if path.startswith(prefix) else path
+  return os.path.relpath(path, start)
+
+
 def exists(path: PathLike) -> bool:
   return as_epath(path).exists()
 
@@ -85,7 +117,9 @@ def isfile(path: PathLike) -> bool:
 
 
 def makedirs(path: PathLike) -> None:
-  as_epath(path).mkdir(parents=True, exist_ok=True)
+  """A local directory with its parents; on an object store nothing (a prefix needs no creating)."""
+  if not is_remote(path):
+    as_epath(path).mkdir(parents=True, exist_ok=True)
 
 
 def listdir(path: PathLike) -> List[str]:
@@ -103,11 +137,52 @@ def glob(pattern: PathLike) -> List[str]:
     return sorted(glob_lib.glob(text, recursive=True))
   parts = text.split("/")
   first = next(i for i, part in enumerate(parts) if _WILDCARDS.search(part))
-  root, rest = epath.Path("/".join(parts[:first])), "/".join(parts[first:])
-  if not root.exists():
+  root, rest = "/".join(parts[:first]), "/".join(parts[first:])
+  if not exists(root):
     return []
-  found = root.rglob(rest.replace("**/", "")) if "**" in rest else root.glob(rest)
-  return sorted(os.fspath(m) for m in found)
+  if "**" not in rest:
+    return sorted(os.fspath(m) for m in epath.Path(root).glob(rest))
+  # epath refuses `**` on object stores; one listing of the prefix, matched here, is the same.
+  matcher = re.compile(_pattern_regex(rest))
+  root = root.rstrip("/")
+  protocol = root[:root.index("://") + 3]
+  found = []
+  for directory, subdirs, files in epath.Path(root).walk():
+    directory = os.fspath(directory)
+    if not directory.startswith(protocol):  # fsspec walks without the scheme
+      directory = protocol + directory
+    for name in list(subdirs) + list(files):
+      path = posixpath.join(directory, name)
+      if matcher.fullmatch(path[len(root) + 1:]):
+        found.append(path)
+  return sorted(found)
+
+
+def _pattern_regex(pattern: str) -> str:
+  """A glob pattern over `/`-separated names as a regex: `**/` any directories, `*` within a name."""
+  out, i = [], 0
+  while i < len(pattern):
+    if pattern.startswith("**/", i):
+      out.append("(?:.*/)?")
+      i += 3
+    elif pattern.startswith("**", i):
+      out.append(".*")
+      i += 2
+    elif pattern[i] == "*":
+      out.append("[^/]*")
+      i += 1
+    elif pattern[i] == "?":
+      out.append("[^/]")
+      i += 1
+    else:
+      j = pattern.find("]", i) if pattern[i] == "[" else -1
+      if j > i:
+        out.append(pattern[i:j + 1])
+        i = j + 1
+      else:
+        out.append(re.escape(pattern[i]))
+        i += 1
+  return "".join(out)
 
 
 @contextlib.contextmanager
@@ -163,6 +238,23 @@ def write_json(path: PathLike, obj: Any, indent: int = 2) -> None:
   write_text(path, json.dumps(obj, indent=indent))
 
 
+def tree_size(path: PathLike) -> int:
+  """Bytes of every file under a directory (or of one file)."""
+  p = as_epath(path)
+  if not p.is_dir():
+    return p.stat().length if p.exists() else 0
+  return sum(size(f) for f in glob(join(path, "**", "*")) if isfile(f))
+
+
+def write_figure(path: PathLike, figure: Any, **savefig_kwargs: Any) -> None:
+  """A matplotlib figure saved to any path (rendered in memory, then written whole)."""
+  buffer = io.BytesIO()
+  extension = os.fspath(path).rsplit(".", 1)[-1].lower()
+  figure.savefig(buffer, format=extension if extension in ("png", "pdf", "svg", "jpg") else "png",
+                 **savefig_kwargs)
+  write_bytes(path, buffer.getvalue())
+
+
 def remove(path: PathLike) -> None:
   """Deletes a file; a missing one is not an error."""
   p = as_epath(path)
@@ -182,7 +274,35 @@ def rmtree(path: PathLike) -> None:
 
 def rename(src: PathLike, dst: PathLike) -> None:
   """Moves a file or directory (on object stores: copy then delete, so not atomic)."""
-  as_epath(src).rename(as_epath(dst))
+  src, dst = check(src, "path"), check(dst, "path")
+  if not (is_remote(src) or is_remote(dst)):
+    shutil.move(src, dst)
+    return
+  if not isdir(src):
+    copy(src, dst)
+  else:
+    files = [p for p in glob(join(src, "**", "*")) if isfile(p)]
+    if not files:  # never delete what was not copied
+      raise FileNotFoundError(f"{src} holds no file to move")
+    for path in files:
+      copy(path, join(dst, path[len(src.rstrip("/")) + 1:]))
+  rmtree(src)
+
+
+def append_text(path: PathLike, text: str) -> None:
+  """Adds `text` at the end of a file (created if missing).
+
+  Object stores cannot append: the object is read and written back whole, which is fine for the
+  small, rarely written files this is for (a study's cells.jsonl). A run's metrics use
+  fs.Appender, which keeps what it wrote instead of reading it back.
+  """
+  if not is_remote(path):
+    directory = os.path.dirname(os.path.abspath(check(path, "path")))
+    os.makedirs(directory, exist_ok=True)
+    with open(check(path, "path"), "a", encoding="utf-8") as f:
+      f.write(text)
+    return
+  write_text(path, (read_text(path) if exists(path) else "") + text)
 
 
 def copy(src: PathLike, dst: PathLike) -> None:
@@ -210,6 +330,24 @@ def local_copy(path: PathLike) -> Iterator[str]:
     with open(local, "wb") as f:
       f.write(read_bytes(text))
     yield local
+
+
+@contextlib.contextmanager
+def local_tree(path: PathLike) -> Iterator[str]:
+  """A local directory holding the files under `path`, for readers of local directories only
+  (transformers' from_pretrained); on a local `path` it is `path` itself."""
+  text = check(path, "path")
+  if not is_remote(text):
+    yield text
+    return
+  with tempfile.TemporaryDirectory(prefix="midas_fs_") as tmp:
+    for remote in glob(join(text, "**", "*")):
+      if isfile(remote):
+        local = os.path.join(tmp, *relative(remote, text).split("/"))
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        with open(local, "wb") as f:
+          f.write(read_bytes(remote))
+    yield tmp
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ otherwise be undefined). Implementations (ModelConfig.attention):
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import flax.linen as nn
 import flax.struct
@@ -35,10 +35,27 @@ from midas_jax.errors import ConfigError
 
 @flax.struct.dataclass
 class AttentionMask:
-  """The mask of a batch, per token: [batch, length] int32 each (see the module docstring)."""
+  """The mask of a batch, per token: [batch, length] int32 each (see the module docstring).
+
+  The keys are the queries' own tokens, except where key_segment_ids and key_causal_positions
+  describe them apart ([batch, keys]): a decoding step's new token attends over a cache of keys
+  (model/kv_cache.py). Then the same rule holds between a query's and a key's description.
+  """
 
   segment_ids: jax.Array
   causal_positions: jax.Array
+  key_segment_ids: Optional[jax.Array] = None
+  key_causal_positions: Optional[jax.Array] = None
+
+  @property
+  def is_self_attention(self) -> bool:
+    return self.key_segment_ids is None
+
+  def keys(self) -> Tuple[jax.Array, jax.Array]:
+    """(segment ids, causal positions) of the keys."""
+    if self.is_self_attention:
+      return self.segment_ids, self.causal_positions
+    return self.key_segment_ids, self.key_causal_positions
 
 
 def describe_mask(segment_ids: jax.Array, positions: jax.Array, prefix_mask: jax.Array) -> AttentionMask:
@@ -65,9 +82,10 @@ def describe_mask(segment_ids: jax.Array, positions: jax.Array, prefix_mask: jax
 
 
 def dense_mask(mask: AttentionMask) -> jax.Array:
-  """The described mask as a boolean [batch, 1, length, length] array."""
+  """The described mask as a boolean [batch, 1, queries, keys] array."""
   seg, cpos = mask.segment_ids, mask.causal_positions
-  visible = (seg[:, :, None] == seg[:, None, :]) & (cpos[:, None, :] <= cpos[:, :, None])
+  key_seg, key_cpos = mask.keys()
+  visible = (seg[:, :, None] == key_seg[:, None, :]) & (key_cpos[:, None, :] <= cpos[:, :, None])
   return visible[:, None, :, :]
 
 
@@ -103,10 +121,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
            implementation: str = "auto") -> jax.Array:
   """Scaled dot-product attention under `mask`; k and v may have fewer heads than q (grouped-query attention).
 
-  q [batch, length, heads, head_dim]; k, v [batch, length, kv_heads, head_dim].
+  q [batch, queries, heads, head_dim]; k, v [batch, keys, kv_heads, head_dim]. The fused kernels are
+  for self-attention over one sequence; a decoding step (a few queries over a cache of keys, described
+  apart) is attended densely whatever the implementation: its scores are one row per query.
   """
   implementation = resolve(implementation)
-  if implementation == "dot_product":
+  if implementation == "dot_product" or (implementation == "flash" and not mask.is_self_attention):
     return jax.nn.dot_product_attention(q, k, v, mask=dense_mask(mask))
   if implementation == "flash":
     return _sharded_flash(q, k, v, mask)

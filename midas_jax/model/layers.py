@@ -81,12 +81,14 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nn.Module):
-  """Multi-head (or grouped-query) self-attention; `mask` is an attention.AttentionMask."""
+  """Multi-head (or grouped-query) self-attention under `mask`, an attention.AttentionMask. With a
+  `cache` (decoding, model/kv_cache.py) the new tokens' keys and values are written into it and the
+  queries attend over every token it holds; it returns (y, updated cache)."""
 
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, mask):
+  def __call__(self, x, positions, mask, cache=None):
     cfg = self.cfg
     dtype = dtype_of(cfg.dtype)
     d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
@@ -94,14 +96,16 @@ class Attention(nn.Module):
     q = dot("btd,dhk->bthk", x, param(self, "query", in_init, (d, h, hd), ("embed", "heads", "kv"), cfg), dtype)
     k = dot("btd,dhk->bthk", x, param(self, "key", in_init, (d, kv, hd), ("embed", "heads", "kv"), cfg), dtype)
     v = dot("btd,dhk->bthk", x, param(self, "value", in_init, (d, kv, hd), ("embed", "heads", "kv"), cfg), dtype)
-    if cfg.family == "gpt2":
+    if cfg.family == "gpt2" or cfg.qkv_bias:
       zeros = nn.initializers.zeros
       q = q + param(self, "query_bias", zeros, (h, hd), ("heads", "kv"), cfg).astype(dtype)
       k = k + param(self, "key_bias", zeros, (kv, hd), ("heads", "kv"), cfg).astype(dtype)
       v = v + param(self, "value_bias", zeros, (kv, hd), ("heads", "kv"), cfg).astype(dtype)
-    else:
+    if cfg.family == "llama":
       q = rotary(q, positions, cfg.rope_theta)
       k = rotary(k, positions, cfg.rope_theta)
+    if cache is not None:
+      k, v, cache = cache.append(k, v)
     # Initializing only needs the parameters' shapes, and XLA drops the unused output: no kernel.
     out = attn_lib.attend(q, k, v, mask, "dot_product" if self.is_initializing() else cfg.attention)
     out_kernel = param(self, "out", weight_init(cfg, fan_in=h * hd, residual=True), (h, hd, d),
@@ -109,7 +113,7 @@ class Attention(nn.Module):
     y = dot("bthk,hkd->btd", out, out_kernel, dtype)
     if cfg.family == "gpt2":
       y = y + param(self, "out_bias", nn.initializers.zeros, (d,), ("embed",), cfg).astype(dtype)
-    return y
+    return y if cache is None else (y, cache)
 
 
 class Mlp(nn.Module):
@@ -138,13 +142,16 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-  """One pre-norm transformer layer. Returns (x, None) so it can be scanned."""
+  """One pre-norm transformer layer. Returns (x, None) so it can be scanned; (x, cache) given a cache."""
 
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, mask):
-    x = x + Attention(self.cfg, name="attn")(Norm(self.cfg, name="attn_norm")(x), positions, mask)
+  def __call__(self, x, positions, mask, cache=None):
+    attended = Attention(self.cfg, name="attn")(Norm(self.cfg, name="attn_norm")(x), positions, mask, cache)
+    if cache is not None:
+      attended, cache = attended
+    x = x + attended
     x = x + Mlp(self.cfg, name="mlp")(Norm(self.cfg, name="mlp_norm")(x))
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-    return x, None
+    return x, cache

@@ -28,8 +28,9 @@ def validate(config: RunConfig) -> RunConfig:
   require(k <= num_steps, s + "num_stages", f"{k} stages but only TrainerConfig.num_steps={num_steps}",
           "use at most num_steps stages (every stage needs a step), or train longer")
   if st.block_size is None:
-    require(layers % k == 0, s + "num_stages",
-            f"ModelConfig.num_layers={layers} is not divisible by num_stages={k}",
+    blocks = k + st.start_blocks - 1
+    require(layers % blocks == 0, s + "num_stages",
+            f"ModelConfig.num_layers={layers} is not divisible by num_stages + start_blocks - 1 = {blocks}",
             "choose num_stages that divides num_layers, or set StackingConfig.block_size")
   else:
     require(layers % st.block_size == 0, s + "block_size",
@@ -37,14 +38,14 @@ def validate(config: RunConfig) -> RunConfig:
             "choose a block size that divides num_layers")
   # Simulated, not k * b: an operator such as gstack need not add one block per stage.
   b = st.resolved_block_size(layers)
-  depths = operators.stage_depths(st.operator, k, b)
+  depths = operators.stage_depths(st.operator, k, b, st.start_blocks)
   require(depths[-1] == layers, s + "num_stages",
-          f"{k} stages of {st.operator!r} growth from one block of {b} layers end at depth {depths[-1]} "
-          f"(stage depths {depths}), not ModelConfig.num_layers={layers}",
-          f"for one block per stage make num_stages * block_size = num_layers "
-          f"(e.g. num_stages={layers // b})")
+          f"{k} stages of {st.operator!r} growth from {st.start_blocks} block(s) of {b} layers end at depth "
+          f"{depths[-1]} (stage depths {depths}), not ModelConfig.num_layers={layers}",
+          f"for one block per stage make (num_stages + start_blocks - 1) * block_size = num_layers "
+          f"(e.g. num_stages={layers // b - st.start_blocks + 1})")
   if st.lr_schedule == "rewarm":
-    steps = st.stage_steps or schedule.prop_alpha_steps(num_steps, k, st.alpha)
+    steps = st.stage_steps or schedule.prop_alpha_steps(num_steps, k, st.alpha, st.start_blocks)
     rewarm = st.resolved_rewarm_steps(config.optimizer.warmup_steps)
     short = [i + 1 for i, t in enumerate(steps) if i > 0 and t < rewarm]
     require(not short, s + "rewarm_steps",

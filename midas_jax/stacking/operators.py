@@ -108,9 +108,9 @@ def provenance_for(name: str, num_layers: int, block_size: int) -> np.ndarray:
   return prov.astype(np.int64)
 
 
-def stage_depths(name: str, num_stages: int, block_size: int) -> Tuple[int, ...]:
-  """Depth of every stage when growth starts from one block and applies `name` num_stages-1 times."""
-  depths = [block_size]
+def stage_depths(name: str, num_stages: int, block_size: int, start_blocks: int = 1) -> Tuple[int, ...]:
+  """Depth of every stage when growth starts from `start_blocks` blocks and applies `name` num_stages-1 times."""
+  depths = [start_blocks * block_size]
   for _ in range(num_stages - 1):
     depths.append(len(provenance_for(name, depths[-1], block_size)))
   return tuple(depths)

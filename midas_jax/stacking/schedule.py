@@ -19,8 +19,9 @@ from midas_jax.errors import require
 from midas_jax.stacking import operators
 
 
-def prop_alpha_steps(num_steps: int, num_stages: int, alpha: float = 1.0) -> Tuple[int, ...]:
-  """Integer T_i proportional to i^alpha, summing exactly to num_steps, each >= 1.
+def prop_alpha_steps(num_steps: int, num_stages: int, alpha: float = 1.0, start_blocks: int = 1) -> Tuple[int, ...]:
+  """Integer T_i proportional to n_i^alpha, summing exactly to num_steps, each >= 1, where stage i has
+  n_i = start_blocks + i - 1 blocks (i itself when growth starts from one block).
 
   Largest-remainder rounding, ties to the later stage; for alpha >= 0 the result is nondecreasing.
   """
@@ -30,7 +31,7 @@ def prop_alpha_steps(num_steps: int, num_stages: int, alpha: float = 1.0) -> Tup
           f"{num_stages} stages cannot each get a step out of num_steps={num_steps}",
           "train for at least as many steps as there are stages, or use fewer stages")
   require(math.isfinite(alpha), "StackingConfig.alpha", f"must be finite, got {alpha}", "1.0 is Prop-1")
-  weights = [i ** alpha for i in range(1, num_stages + 1)]
+  weights = [i ** alpha for i in range(start_blocks, start_blocks + num_stages)]
   total = sum(weights)
   ideal = [num_steps * w / total for w in weights]
   steps = [int(math.floor(x)) for x in ideal]
@@ -120,14 +121,14 @@ def schedule_from_config(stacking: StackingConfig, num_steps: int, num_layers: i
   if k == 1:
     return StageSchedule((num_steps,), num_layers, (num_layers,))
   b = stacking.resolved_block_size(num_layers)
-  steps = stacking.stage_steps or prop_alpha_steps(num_steps, k, stacking.alpha)
+  steps = stacking.stage_steps or prop_alpha_steps(num_steps, k, stacking.alpha, stacking.start_blocks)
   require(sum(steps) == num_steps, "StackingConfig.stage_steps",
           f"stage_steps {tuple(steps)} sum to {sum(steps)}, not TrainerConfig.num_steps={num_steps}",
           "make the stage steps add up to num_steps, or leave stage_steps None for Prop-alpha")
-  depths = operators.stage_depths(stacking.operator, k, b)
+  depths = operators.stage_depths(stacking.operator, k, b, stacking.start_blocks)
   require(depths[-1] == num_layers, "StackingConfig.num_stages",
-          f"{k} stages of operator {stacking.operator!r} from one block of {b} layers end at depth "
-          f"{depths[-1]}, not ModelConfig.num_layers={num_layers} (stage depths {depths})",
+          f"{k} stages of operator {stacking.operator!r} from {stacking.start_blocks} block(s) of {b} layers end "
+          f"at depth {depths[-1]}, not ModelConfig.num_layers={num_layers} (stage depths {depths})",
           "choose num_stages and block_size so the last stage has num_layers layers")
   return StageSchedule(tuple(steps), b, depths)
 

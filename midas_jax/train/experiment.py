@@ -18,6 +18,7 @@ from midas_jax.configs import ModelConfig, RunConfig
 from midas_jax.data import seqio_source
 from midas_jax.data.pipeline import Pipeline, tokenize_documents
 from midas_jax.data.sources import load_documents
+from midas_jax.data.store.pipeline import PreparedPipeline
 from midas_jax.data.vocab import make_vocabulary
 from midas_jax.model import Decoder, attention
 from midas_jax.stacking.schedule import schedule_from_config
@@ -90,9 +91,12 @@ def load_token_documents(config: RunConfig, vocab,
 
 
 def load_data(config: RunConfig) -> Tuple[Any, Pipeline]:
-  """The vocabulary and the step-addressed pipeline over the configured source."""
+  """The vocabulary and the step-addressed pipeline over the configured source: a prepared store
+  is read by index (data/store/), every other source is loaded into memory."""
   vocab = make_vocabulary(config.data)
-  return vocab, Pipeline(config.data, load_token_documents(config, vocab), vocab.vocab_size)
+  if config.data.source == "prepared":
+    return vocab, PreparedPipeline(config.data, vocab)
+  return vocab, Pipeline(config.data, load_token_documents(config, vocab), vocab.vocab_size, vocab)
 
 
 def learning_rate(config: RunConfig) -> optax.Schedule:

@@ -1,25 +1,28 @@
 """What a run records: metrics.jsonl, TensorBoard events, a stdout line per log, a progress bar.
 
-metrics.jsonl is the record of truth (one JSON object per write, flushed at once, so a killed run
-keeps every line it logged); TensorBoard events are for looking at curves and may lag by a few
-seconds. A resumed run first drops the records after the step it resumes from (truncate_after),
-then appends: metrics.jsonl holds each step once. TensorBoard may show the dropped stretch twice.
+metrics.jsonl is the record of truth (one JSON object per write, durable when the write returns,
+so a killed run keeps every line it logged; on gs:// the object is replaced whole each time,
+fs.Appender). TensorBoard events are derived from it: they are written through a local directory
+mirrored to the workdir (fs.Mirror) and may lag by a few seconds. A resumed run drops the records
+after the step it resumes from and rebuilds the events from the records it kept, so both
+metrics.jsonl and TensorBoard show each step once.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from typing import Any, Dict, List, Mapping, Optional
 
 import tqdm
 
+from midas_jax import fs
 from midas_jax.console import is_tty as _is_tty, say
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+TIME_PREFIX = "time/"  # the goodput breakdown of train/goodput.py
 _RESERVED = ("step", "split")
 _UNITS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k"))
 
@@ -70,7 +73,13 @@ def format_scalar(name: str, value: Any) -> str:
 
 
 def summary_line(step: int, split: str, scalars: Mapping[str, Any]) -> str:
-  parts = [f"step {step}", split] + [f"{k}={format_scalar(k, v)}" for k, v in scalars.items()]
+  """`step N split k=v ...`; the time/* breakdown is shortened to the productive share, `goodput=`."""
+  shown = {k: v for k, v in scalars.items() if not k.startswith(TIME_PREFIX)}
+  times = [float(v) for k, v in scalars.items() if k.startswith(TIME_PREFIX)]
+  if times and sum(times) > 0:
+    shown["goodput"] = f"{float(scalars.get(TIME_PREFIX + 'step', 0.0)) / sum(times):.0%}"
+  parts = [f"step {step}", split] + [f"{k}={v if isinstance(v, str) else format_scalar(k, v)}"
+                                     for k, v in shown.items()]
   return " ".join(parts)
 
 
@@ -78,15 +87,28 @@ class MetricWriter:
   """Writes each call's scalars to metrics.jsonl, TensorBoard (one run per split) and stdout.
 
   One writer per run, on process 0 only: other processes should not construct one.
+  resume_step: the step a run restarts from; records after it are dropped (the run redoes those
+  steps) and the TensorBoard events are rebuilt from the rest. None appends to what is there.
   """
 
-  def __init__(self, workdir: str, stdout: bool = True, tensorboard: bool = True):
+  def __init__(self, workdir: str, stdout: bool = True, tensorboard: bool = True,
+               resume_step: Optional[int] = None):
     self.workdir = workdir
-    os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a", encoding="utf-8")
+    fs.makedirs(workdir)
+    path = fs.join(workdir, METRICS_FILE)
+    kept = None
+    if resume_step is not None:
+      kept = [r for r in read_metrics(workdir) if r["step"] <= resume_step]
+    self._jsonl = fs.Appender(path, initial=None if kept is None else "".join(_line(r) for r in kept))
     self._stdout = stdout
     self._tensorboard = tensorboard
     self._tb_writers: Dict[str, Any] = {}
+    self._tb_mirror = None
+    if tensorboard and kept is not None:
+      fs.rmtree(fs.join(workdir, TENSORBOARD_DIR))  # events of steps the restart redoes
+      for record in kept:
+        self._add_events(record["step"], record["split"],
+                         {k: v for k, v in record.items() if k not in _RESERVED})
 
   def write(self, step: int, split: str, scalars: Mapping[str, Any]) -> None:
     if self._jsonl is None:
@@ -96,28 +118,36 @@ class MetricWriter:
       raise ValueError(f"metric names {clash} are reserved for the record's own fields")
     step = int(step)
     values = {k: _plain(v) for k, v in scalars.items()}
-    # Non-finite values are written as NaN/Infinity, which Python's json reads back.
-    self._jsonl.write(json.dumps({"step": step, "split": split, **values}) + "\n")
-    self._jsonl.flush()
+    self._jsonl.write(_line({"step": step, "split": split, **values}))
     if self._tensorboard:
-      tb = self._tb_writer(split)
-      for name, value in values.items():
-        tb.add_scalar(name, float(value), global_step=step)
+      self._add_events(step, split, values)
+      self._tb_mirror.sync()
     if self._stdout:
       say(summary_line(step, split, values))
+
+  def _add_events(self, step: int, split: str, values: Mapping[str, Any]) -> None:
+    tb = self._tb_writer(split)
+    for name, value in values.items():
+      if isinstance(value, (int, float)):
+        tb.add_scalar(name, float(value), global_step=step)
 
   def _tb_writer(self, split: str):
     if split not in self._tb_writers:
       import tensorboardX  # only runs that want events pay for the import
-      logdir = os.path.join(self.workdir, TENSORBOARD_DIR, split)
+      if self._tb_mirror is None:
+        self._tb_mirror = fs.Mirror(fs.join(self.workdir, TENSORBOARD_DIR))
       # flush_secs bounds what a killed run loses from its curves; the JSONL loses nothing.
-      self._tb_writers[split] = tensorboardX.SummaryWriter(logdir=logdir, flush_secs=10)
+      self._tb_writers[split] = tensorboardX.SummaryWriter(
+          logdir=fs.join(self._tb_mirror.local, split), flush_secs=10)
     return self._tb_writers[split]
 
   def close(self) -> None:
     for tb in self._tb_writers.values():
       tb.close()
     self._tb_writers = {}
+    if self._tb_mirror is not None:
+      self._tb_mirror.close()
+      self._tb_mirror = None
     if self._jsonl is not None:
       self._jsonl.close()
       self._jsonl = None
@@ -127,6 +157,11 @@ class MetricWriter:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _line(record: Mapping[str, Any]) -> str:
+  # Non-finite values are written as NaN/Infinity, which Python's json reads back.
+  return json.dumps(record) + "\n"
 
 
 class NullWriter:
@@ -139,31 +174,16 @@ class NullWriter:
     pass
 
 
-def truncate_after(workdir: str, step: int) -> int:
-  """Drops records of steps after `step` (a resumed run redoes them); returns how many were dropped."""
-  path = os.path.join(workdir, METRICS_FILE)
-  if not os.path.exists(path):
-    return 0
-  records = read_metrics(workdir)
-  keep = [r for r in records if r["step"] <= step]
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.writelines(json.dumps(r) + "\n" for r in keep)
-  os.replace(tmp, path)
-  return len(records) - len(keep)
-
-
 def read_metrics(workdir: str, split: Optional[str] = None) -> List[Dict[str, Any]]:
   """The records of <workdir>/metrics.jsonl in file order, optionally of one split only.
 
   A run killed mid-write can leave a cut-off last line: it is skipped. A bad line elsewhere is a
   real corruption and raises.
   """
-  path = os.path.join(workdir, METRICS_FILE)
-  if not os.path.exists(path):
+  path = fs.join(workdir, METRICS_FILE)
+  if not fs.exists(path):
     return []
-  with open(path, encoding="utf-8") as f:
-    lines = f.read().split("\n")
+  lines = fs.read_text(path).split("\n")
   records = []
   for i, line in enumerate(lines):
     if not line.strip():

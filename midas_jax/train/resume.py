@@ -3,6 +3,10 @@
 Saves are tried newest first. One that cannot be read is reported and moved aside (never deleted),
 and the one before it is tried. A save written under a different config is refused before anything
 is compiled, unless the differences are allowed (metadata.check_resumable).
+
+In a multi-process job the processes agree (train/hosts.py): every one tries the step process 0
+names, a save counts as good only if it restored on all of them, and a bad one is moved aside by
+process 0 alone while the others wait, so all of them continue from the same step.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ from typing import Any, Dict, Sequence, Tuple
 
 import jax
 
+from midas_jax import fs
 from midas_jax.checkpoint import metadata as metadata_lib
 from midas_jax.checkpoint.export import load_model
 from midas_jax.checkpoint.manager import CorruptCheckpointError
 from midas_jax.errors import ConfigError
 from midas_jax.stacking.controller import Stage, StageController
+from midas_jax.train import hosts
 from midas_jax.train.state import TrainState
 
 
@@ -45,32 +51,52 @@ def _initial_state(controller: StageController, init_from: str) -> Tuple[TrainSt
   stage = controller.stage_at(0)
   if not init_from:
     return stage.experiment.init_state(), stage
-  loaded = load_model(init_from)
+  loaded = load_model(fs.check(init_from, "CheckpointConfig.init_from"))
   want = jax.tree.map(lambda a: (a.shape, str(a.dtype)), stage.experiment.layout.abstract.params)
   have = jax.tree.map(lambda a: (a.shape, str(a.dtype)), loaded.params)
   if want != have:
+    fix = "start from an export of the same model shape, or set ModelConfig to match it"
+    depth, block = loaded.model_config.num_layers, controller.block_size
+    if depth != stage.depth and depth % block == 0:  # e.g. growing an imported model from its own depth
+      fix = (f"to grow the {depth}-layer model, start the stages at its depth: StackingConfig.start_blocks = "
+             f"{depth // block} (blocks of {block} layers)")
     raise ConfigError("CheckpointConfig.init_from", f"the parameters in {init_from} do not fit the first "
                       f"stage's model (depth {stage.depth}): {loaded.model_config} vs {stage.experiment.model_config}",
-                      "start from an export of the same model shape, or set ModelConfig to match it")
+                      fix)
   return stage.experiment.init_state_from_params(loaded.params), stage
 
 
 def start(controller: StageController, checkpointer, resolved_config: Dict[str, Any],
           allow_config_changes: Sequence[str] = ()) -> Start:
   """The state a run continues from; controller.growths gets the growths done before it."""
-  for step in checkpointer.steps():
-    try:
-      meta = checkpointer.metadata(step)
-      if not isinstance(meta.get("config"), dict):
-        raise CorruptCheckpointError(f"step {step}: the metadata has no config")
-      accepted = metadata_lib.check_resumable(meta["config"], resolved_config, allow_config_changes)
-      _check_depth(controller, meta, step)
-      stage = controller.stage(int(meta.get("stage", 1)))
-      state = checkpointer.restore(stage.experiment, step)
-    except CorruptCheckpointError as e:
-      checkpointer.quarantine(step, str(e))
-      continue
-    controller.growths = list(meta.get("growths", []))
-    return Start(step, state, stage, tuple(accepted))
+  tried = set()
+  while True:
+    candidates = [s for s in checkpointer.steps() if s not in tried]
+    step = hosts.from_process_0(candidates[0] if candidates else -1)
+    if step < 0:
+      break
+    tried.add(step)
+    found, problem = _restore(controller, checkpointer, step, resolved_config, allow_config_changes)
+    if hosts.all_true(problem is None):
+      meta, state, stage, accepted = found
+      controller.growths = list(meta.get("growths", []))
+      return Start(step, state, stage, tuple(accepted))
+    checkpointer.quarantine(step, problem or "it could not be restored on another process")
   state, stage = _initial_state(controller, controller.config.checkpoint.init_from)
   return Start(0, state, stage)
+
+
+def _restore(controller: StageController, checkpointer, step: int, resolved_config: Dict[str, Any],
+             allow_config_changes: Sequence[str]):
+  """((metadata, state, stage, accepted changes), None), or (None, why the save is unusable)."""
+  try:
+    meta = checkpointer.metadata(step)
+    if not isinstance(meta.get("config"), dict):
+      raise CorruptCheckpointError(f"step {step}: the metadata has no config")
+    accepted = metadata_lib.check_resumable(meta["config"], resolved_config, allow_config_changes)
+    _check_depth(controller, meta, step)
+    stage = controller.stage(int(meta.get("stage", 1)))
+    state = checkpointer.restore(stage.experiment, step)
+  except CorruptCheckpointError as e:
+    return None, str(e)
+  return (meta, state, stage, accepted), None

@@ -1,0 +1,146 @@
+"""`midas bench data` on a prepared store: ours on one core, the packing, and the memory the reader
+takes, against training's consumption (measured, given, or one pod host's, computed).
+
+The process's peak RSS is reported next to its RSS just before the store is opened, after every
+import: the difference is what the reader and the batches hold, which must not grow with the
+corpus (compare --synthetic_documents=1000000 with 10000000). A synthetic store is written by the
+store's own writer in a child process, so that the writing never counts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import resource
+import tempfile
+from typing import Dict, Optional
+
+from midas_jax.bench.data_bench import TARGET_VS_TRAINING, measure_ours, measure_training, one_core
+from midas_jax.configs import DataConfig, RunConfig
+
+TARGET_VS_HOST_CONSUMPTION = 20.0  # ours, against one pod host's consumption
+# TPU slices as gcloud names them: generation -> (TensorCores per chip counted in the name, chips
+# per host). The chips' dense bf16 peaks are device_peak.py's.
+_SLICES = {"v4": (2, 4), "v5p": (2, 4), "v5e": (1, 4), "v5litepod": (1, 4)}
+
+
+def rss_bytes() -> int:
+  """This process's resident memory now."""
+  with open("/proc/self/statm") as f:  # the OS's own counters, not a run input
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def host_consumption(config: RunConfig, topology: str, mfu: float) -> Dict[str, object]:
+  """The tokens per second one host of `topology` consumes training `config` at `mfu`:
+  step time = train FLOPs per step / (chips * chip peak * mfu), shared by hosts = chips / per host."""
+  from midas_jax import flops  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
+  from midas_jax.device_peak import known_peak_flops  # pylint: disable=import-outside-toplevel
+  from midas_jax.errors import require  # pylint: disable=import-outside-toplevel
+  m = re.fullmatch(r"(v4|v5p|v5e|v5litepod)-(\d+)", topology.strip().lower())
+  require(m is not None, "--consumption", f"unknown TPU slice {topology!r}", "use e.g. v4-64, v5p-128, v5litepod-64")
+  generation, count = m.group(1), int(m.group(2))
+  cores_per_chip, chips_per_host = _SLICES[generation]
+  chips = count // cores_per_chip
+  hosts = max(1, chips // chips_per_host)
+  peak = known_peak_flops("v5e" if generation == "v5litepod" else generation)
+  model = config.model.with_vocab(make_vocabulary(config.data).vocab_size)
+  data = config.data
+  flops_per_token = flops.train_flops_per_token(model, data.seq_len)
+  tokens_per_step = data.batch_size * data.seq_len
+  step_seconds = flops_per_token * tokens_per_step / (chips * peak * mfu)
+  return {"topology": topology, "chips": chips, "hosts": hosts, "peak_flops_per_chip": peak, "mfu": mfu,
+          "train_flops_per_token": flops_per_token, "tokens_per_step": tokens_per_step, "step_seconds": step_seconds,
+          "tokens_per_second": tokens_per_step / step_seconds / hosts, "source": "computed",
+          "arithmetic": (f"{flops_per_token:.3e} FLOP/token x {tokens_per_step:,} tokens/step / ({chips} chips x "
+                         f"{peak:.3e} FLOP/s x {mfu:g} MFU) = {step_seconds:.3f} s/step; {tokens_per_step:,} tokens / "
+                         f"{step_seconds:.3f} s / {hosts} hosts = {tokens_per_step / step_seconds / hosts:,.0f} "
+                         "tokens/s per host")}
+
+
+def write_synthetic_store(config: RunConfig, documents: int, folder: Optional[str], mean_length: float = 64.0) -> str:
+  """A synthetic store of `documents` documents in the run's vocabulary, written in a child process
+  (so that this process's peak memory is the reader's); reused if already there."""
+  from midas_jax import fs  # pylint: disable=import-outside-toplevel
+  folder = folder or os.path.join(tempfile.gettempdir(), f"midas_synthetic_{documents}_{mean_length:g}")
+  if not fs.exists(fs.join(folder, "manifest.json")):
+    child = multiprocessing.get_context("spawn").Process(target=_write_synthetic,
+                                                         args=(config.data, documents, folder, mean_length))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+      raise RuntimeError(f"writing the synthetic store in {folder} failed (exit {child.exitcode})")
+  return folder
+
+
+def _write_synthetic(data: DataConfig, documents: int, folder: str, mean_length: float) -> None:
+  from midas_jax.data.store import synthetic  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
+  synthetic.write(folder, documents, make_vocabulary(data), mean_length=mean_length)
+
+
+def run(config: RunConfig, seconds: float, training: Optional[Dict[str, object]],
+        train_steps: int = 5) -> Dict[str, object]:
+  """Ours on a prepared store, on one core, with the memory it took."""
+  from midas_jax.data.store.pipeline import PreparedPipeline  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
+  from midas_jax.train.experiment import build_experiment  # pylint: disable=import-outside-toplevel
+  if training is None:
+    experiment = build_experiment(config)
+    training = measure_training(experiment, steps=train_steps)  # before the pin: all cores
+  vocab = make_vocabulary(config.data)
+  before = rss_bytes()
+  pipeline = PreparedPipeline(config.data, vocab)
+  hosts = training.get("hosts", 1)  # as one host of the slice does: its own rows
+  with one_core() as cpu:
+    ours = measure_ours(pipeline, seconds, min(1.0, max(0.1, seconds / 4)), hosts)
+  peak = peak_rss_bytes()
+  counts = pipeline.counts
+  train = pipeline.layouts["train"]
+  return {
+      "cpu": cpu, "store": pipeline.store, "seq_len": config.data.seq_len, "batch_size": config.data.batch_size,
+      "rows_per_host": config.data.batch_size // hosts,
+      "num_documents": train.documents, "num_tokens": train.tokens, "rows_per_epoch": train.rows,
+      "window_tokens": train.window.tolist(),
+      "mixture": [dict(e.denoiser.to_json(), probability=e.probability) for e in pipeline.entries],
+      "ours_mixture": ours,
+      "demoted_token_fraction": counts["demoted_tokens"] / max(1, counts["tokens"]),
+      "rss_before_store_bytes": before, "peak_rss_bytes": peak, "rss_growth_bytes": peak - before,
+      "training": training,
+      "ratios": {"ours_vs_training": ours["tokens_per_second"] / training["tokens_per_second"],
+                 # The same per CPU-second of this process: steadier when others share the pinned core.
+                 "ours_vs_training_per_cpu_second": (ours["real_tokens_per_cpu_second"] /
+                                                     training["tokens_per_second"])},
+      "targets": {"ours_vs_training": TARGET_VS_HOST_CONSUMPTION if training["source"] == "computed"
+                  else TARGET_VS_TRAINING},
+  }
+
+
+def format_report(r: Dict[str, object]) -> str:
+  ours, train = r["ours_mixture"], r["training"]
+  mib = lambda b: f"{b / 2 ** 20:,.0f} MiB"
+  value, target = r["ratios"]["ours_vs_training"], r["targets"]["ours_vs_training"]
+  lines = [
+      f"store           {r['store']}: {r['num_documents']:,} train documents, {r['num_tokens']:,} tokens, "
+      f"{r['rows_per_epoch']:,} rows per epoch (windows {r['window_tokens']} tokens)",
+      f"batch           {r['batch_size']} x {r['seq_len']}, of which one host builds {r['rows_per_host']} rows, "
+      f"on one core: CPU {r['cpu']}",
+      f"ours, mixture   {ours['tokens_per_second']:,.0f} slots/s, {ours['real_tokens_per_second']:,.0f} real "
+      f"tokens/s, packing {ours['packing_efficiency']:.1%}, {r['demoted_token_fraction']:.2%} of tokens made "
+      f"causal for room, {ours['cores_used']:.2f} cores busy ({ours['real_tokens_per_cpu_second']:,.0f} real "
+      "tokens per CPU-second)",
+      f"memory          peak RSS {mib(r['peak_rss_bytes'])}; {mib(r['rss_before_store_bytes'])} before the store "
+      f"was opened, so the reader added {mib(r['rss_growth_bytes'])}",
+  ]
+  if train["source"] == "computed":
+    lines.append(f"consumption     one host of {train['topology']}: {train['arithmetic']}")
+  else:
+    lines.append(f"training        {train['tokens_per_second']:,.0f} tokens/s consumed ({train['source']})")
+  lines.append(f"ours / training {value:.1f}x (target >= {target:g}x: {'met' if value >= target else 'NOT met'}); "
+               f"{r['ratios']['ours_vs_training_per_cpu_second']:.1f}x per CPU-second")
+  return "\n".join(lines)

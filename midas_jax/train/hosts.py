@@ -1,0 +1,38 @@
+"""Decisions every process of a multi-process job must take together (one process: trivial).
+
+A restore reads the same step on every process, or the collective reads would mix states or hang;
+a bad save is moved aside by one process while the others wait, or they would race to move it.
+Each helper is one small collective over jax.distributed, used at start-up only, never per step.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def multi_process() -> bool:
+  return jax.process_count() > 1
+
+
+def from_process_0(value: int) -> int:
+  """Process 0's `value` on every process."""
+  if not multi_process():
+    return int(value)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return int(multihost_utils.broadcast_one_to_all(np.array(value, np.int32)))
+
+
+def all_true(flag: bool) -> bool:
+  """Whether `flag` holds on every process."""
+  if not multi_process():
+    return bool(flag)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  return bool(np.all(multihost_utils.process_allgather(np.array(bool(flag)))))
+
+
+def barrier(name: str) -> None:
+  """Waits until every process has reached the barrier called `name`."""
+  if multi_process():
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    multihost_utils.sync_global_devices(name)
