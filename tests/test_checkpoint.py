@@ -202,7 +202,7 @@ def test_params_only_export_loads_without_the_optimizer(reference, tmp_path):
 def test_init_from_an_export_starts_a_new_run_from_its_parameters(reference, tmp_path):
   config, ref_dir = reference
   out = export_params(ref_dir, str(tmp_path / "export"))
-  flat = stacked_run(stacking=configs.StackingConfig(),
+  flat = stacked_run(stacking=configs.StackingConfig(), data=config.data,
                      trainer=dataclasses.replace(config.trainer, num_steps=2, eval_every=0))
   scratch = loop.train(flat, str(tmp_path / "scratch"))
   warm = loop.train(dataclasses.replace(flat, checkpoint=configs.CheckpointConfig(init_from=out)),
