@@ -68,8 +68,11 @@ def test_flash_chunked_loss_and_microbatches_shrink_the_estimate():
   assert "in 4 microbatches" in compile_bench.format_report(micro)
   with pytest.raises(ConfigError, match="dcn_data"):
     compile_bench.run(config, "2xv5p-16", "analytic")  # a 2-slice target needs a 2-slice mesh
-  table = compile_table.table([micro], [whole])
-  assert "| 4 | flash |" in table and table.count("\n") == 2
+  # The docs table: a row per `after` report, its `before` matched by model, target and batch shape.
+  refused = dict(whole, fits=False, method="compiled", compile_error="RESOURCE_EXHAUSTED: Ran out of memory on HBM, "
+                 "the total memory required for HLO temporaries (31.96G) exceeds available HBM (30.75G).")
+  table = compile_table.table([micro], [refused])
+  assert "| 4 | flash | refused: temporaries 31.96G > 30.75G | **no** |" in table and table.count("\n") == 2
 
 
 def test_analytic_estimate_for_a_tpu_slice():

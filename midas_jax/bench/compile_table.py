@@ -6,6 +6,7 @@ shape, so one table shows what a change did to every configuration both sets com
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from midas_jax import fs
@@ -31,8 +32,9 @@ def _peak(r: Optional[Dict[str, Any]]) -> str:
   if r is None:
     return "-"
   if r.get("compile_error"):
-    detail = r["compile_error"].split("HLO temporaries")[-1].strip(" ().")
-    return "refused" + (f": temporaries {detail}" if "exceeds" in detail else "")
+    # libtpu: "... required for HLO temporaries (31.96G) exceeds available HBM (30.75G)."
+    counts = re.search(r"temporaries \(([^)]+)\) exceeds available HBM \(([^)]+)\)", r["compile_error"])
+    return "refused" + (f": temporaries {counts[1]} > {counts[2]}" if counts else "")
   if r.get("method") != "compiled":
     return f"{r['total'] / GIB:.1f} (analytic)"
   return f"{r['compiled']['peak'] / GIB:.2f}"
@@ -46,7 +48,9 @@ def rows(after: List[Dict[str, Any]], before: List[Dict[str, Any]] = ()) -> List
   """One markdown line per `after` report, in model then target order."""
   earlier = {_key(r): r for r in before}
   out = []
-  for r in sorted(after, key=lambda r: (r["model"]["params"], r["target"], r["batch"]["seq_len"])):
+  order = lambda r: (r["model"]["params"], r["target"].startswith("gpu"), "x" in r["target"], r["target"],
+                     r["batch"]["seq_len"], r["batch"].get("microbatches", 1))
+  for r in sorted(after, key=order):  # one model's TPU slices, then multi-slice, then GPUs
     old, b = earlier.get(_key(r)), r["batch"]
     out.append(" | ".join([
         "", _size(r), f"`{r['target']}`", f"{b['global']} x {b['seq_len']}", str(b.get("microbatches", 1)),
