@@ -2,16 +2,18 @@
 
 `midas compare` (the default job) and `midas bench stacking` use this: both runs share data, seed,
 steps and schedule, so their losses compare at equal steps, and the FLOP axis compares them at equal
-compute. Writes comparison.json, comparison.md and loss_vs_flops.png under the workdir, with each
-run's own outputs in <workdir>/<run name>/.
+compute: the table's last line is the baseline's eval loss at the stacked run's total FLOPs,
+interpolated on the baseline's eval curve. Writes comparison.json, comparison.md and loss_vs_flops.png
+under the workdir, with each run's own outputs in <workdir>/<run name>/.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
 import jax
+import numpy as np
 
 from midas_jax import fs
 from midas_jax.configs import RunConfig, StackingConfig
@@ -20,11 +22,17 @@ from midas_jax.train.metrics import read_metrics
 from midas_jax.train.step import OBJECTIVES
 
 
+def full_depth() -> StackingConfig:
+  """No growth. Every field is passed explicitly: StackingConfig is a gin configurable, so a bare
+  StackingConfig(num_stages=1) would take the stacked job's bound stage_steps and be refused."""
+  return StackingConfig(**{**{f.name: f.default for f in dataclasses.fields(StackingConfig)}, "num_stages": 1})
+
+
 def run_pair(config: RunConfig) -> Dict[str, RunConfig]:
   """{"baseline": full depth throughout, <operator>: the config's stacking}."""
   if config.stacking.num_stages == 1:
     raise ValueError("the config does not grow (StackingConfig.num_stages = 1): nothing to compare")
-  return {"baseline": dataclasses.replace(config, stacking=StackingConfig(num_stages=1)),
+  return {"baseline": dataclasses.replace(config, stacking=full_depth()),
           config.stacking.operator: config}
 
 
@@ -40,6 +48,26 @@ def summarize(name: str, result: loop.TrainResult) -> Dict[str, object]:
   for objective in OBJECTIVES:
     row[f"eval_loss/{objective}"] = last_eval.get(f"loss/{objective}")
   return row
+
+
+def loss_at_flops(eval_rows: Sequence[Dict[str, object]], flops: float) -> Optional[float]:
+  """The eval loss a run had spent `flops` training FLOPs into, interpolated linearly between its
+  eval points; None outside them (no extrapolation)."""
+  points = sorted((r["cumulative_flops"], r["loss"]) for r in eval_rows
+                  if r.get("cumulative_flops") is not None and r.get("loss") is not None)
+  if not points or not points[0][0] <= flops <= points[-1][0]:
+    return None
+  xs, ys = zip(*points)
+  return float(np.interp(flops, xs, ys))
+
+
+def equal_flops_line(stacked: Dict[str, object], baseline_loss: Optional[float]) -> str:
+  """One line: the baseline's eval loss at the stacked run's total FLOPs, beside the stacked run's."""
+  fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+  got = "outside its eval points" if baseline_loss is None else fmt(baseline_loss)
+  return (f"At equal FLOPs: the baseline's eval loss at {stacked['run']}'s total {stacked['total_flops']:.3e} "
+          f"FLOPs (interpolated on its eval curve) is {got}; {stacked['run']} ends at "
+          f"{fmt(stacked['final_eval_loss'])}.")
 
 
 def markdown_table(rows: List[Dict[str, object]]) -> str:
@@ -105,7 +133,9 @@ def compare(config: RunConfig, workdir: str, operative_config: str = "",
   report = {"runs": rows, "growths": growths,
             "measured_speedup": baseline["train_seconds"] / max(stacked["train_seconds"], 1e-9),
             "flop_ratio": baseline["total_flops"] / stacked["total_flops"]}
-  table = markdown_table(rows)
+  at_equal_flops = loss_at_flops(read_metrics(baseline["workdir"], "eval"), stacked["total_flops"])
+  report["baseline_eval_loss_at_stacked_flops"] = at_equal_flops
+  table = markdown_table(rows) + "\n\n" + equal_flops_line(stacked, at_equal_flops)
   if jax.process_index() == 0:  # files come from process 0 only
     fs.write_json(fs.join(workdir, "comparison.json"), report)
     fs.write_text(fs.join(workdir, "comparison.md"), table + "\n")

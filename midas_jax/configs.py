@@ -195,7 +195,7 @@ class MeshConfig:
     return tuple(out)
 
 
-DECAYS = ("cosine", "linear", "rsqrt", "constant")
+DECAYS = ("cosine", "linear", "rsqrt", "constant", "wsd")
 OPTIMIZERS = ("adamw", "adafactor")
 
 
@@ -204,7 +204,10 @@ class OptimizerConfig:
   """optax optimizer and learning-rate schedule: linear warmup, then the chosen decay.
 
   decay "cosine" and "linear" fall to final_lr_fraction * learning_rate at the last step; "rsqrt"
-  scales by sqrt(warmup_steps / step) after warmup; "constant" holds the peak.
+  scales by sqrt(warmup_steps / step) after warmup; "constant" holds the peak; "wsd"
+  (warmup-stable-decay) holds the peak, then falls linearly to final_lr_fraction * learning_rate
+  over the last decay_fraction of the steps (the usual schedule for runs that grow or continue: the
+  rate does not depend on how long the run will be until its last stretch).
   Weight decay skips norms and biases always, and embedding tables unless decay_embeddings.
   """
 
@@ -217,6 +220,7 @@ class OptimizerConfig:
   b2: float = 0.95
   eps: float = 1e-8
   weight_decay: float = 0.1
+  decay_fraction: float = 0.2
   decay_embeddings: bool = False
   grad_clip_norm: Optional[float] = 1.0
   z_loss: float = 0.0
@@ -239,6 +243,8 @@ class OptimizerConfig:
     require(self.weight_decay >= 0, s + "weight_decay", f"must be >= 0, got {self.weight_decay}",
             "0 turns weight decay off; 0.1 is common")
     require(self.z_loss >= 0, s + "z_loss", "must be >= 0", "1e-4 is the t5x default; 0 turns it off")
+    require(0 < self.decay_fraction <= 1, s + "decay_fraction", f"must be in (0, 1], got {self.decay_fraction}",
+            "0.1 to 0.2 is usual for decay='wsd' (it is read by no other decay)")
 
 
 SOURCES = ("builtin", "text", "seqio", "prepared")

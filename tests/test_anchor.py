@@ -1,4 +1,5 @@
-"""The anchor-function data obeys its definition; a tiny study trains, scores, resumes and plots via the CLI."""
+"""The anchor-function data obeys its definition; a tiny stacked study trains, scores, resumes and plots via the
+CLI; the grid of several arms, stage plans and growth of a cell."""
 
 import json
 import os
@@ -71,32 +72,104 @@ def test_study_config_is_checked():
     anchor.AnchorStudyConfig(d_model=10, num_heads=4)
 
 
-TINY = ["--gin.AnchorStudyConfig.gammas=[0.5, 0.8]", "--gin.AnchorStudyConfig.depths=[1]",
+# One stacked arm: its cell trains stage by stage through the same loop a fixed-depth cell runs once
+# (stage_plan), so it covers the fixed arm's training too; the grid of several arms is checked on
+# hand-made cells below, without training.
+TINY = ["--gin.AnchorStudyConfig.gammas=[0.5]", "--gin.AnchorStudyConfig.depths=[2]",
+        "--gin.AnchorStudyConfig.arms=['midas']",
         "--gin.AnchorStudyConfig.d_model=16", "--gin.AnchorStudyConfig.d_ff=32",
         "--gin.AnchorStudyConfig.train_examples=4096", "--gin.AnchorStudyConfig.batch_size=64",
         "--gin.AnchorStudyConfig.steps=20", "--gin.AnchorStudyConfig.warmup_steps=5",
-        "--gin.AnchorStudyConfig.eval_every=10", "--gin.AnchorStudyConfig.eval_examples=32"]
+        "--gin.AnchorStudyConfig.eval_every=0", "--gin.AnchorStudyConfig.eval_examples=32"]  # 0: at the end
 
 
-def test_cli_trains_the_grid_scores_it_and_resumes(tmp_path, repo_root, capsys):
+def test_cli_trains_a_stacked_cell_scores_it_and_resumes(tmp_path, repo_root, capsys):
   gin_file = os.path.join(repo_root, "gin", "experiments", "anchor_gamma_cpu.gin")
   workdir = tmp_path / "study"
   assert cli.main(["study", "anchor", f"--gin_file={gin_file}", f"--workdir={workdir}"] + TINY) == 0
   result = json.load(open(workdir / "anchor_study.json"))
-  assert [(g["gamma"], g["depth"]) for g in result["grid"]] == [(0.5, 1), (0.8, 1)]
-  for cell in result["cells"]:
-    assert [t["step"] for t in cell["trajectory"]] == [10, 20]
-    fractions = [cell["inferential"], cell["symmetric"], cell["seen"]]
-    assert all(0.0 <= f <= 1.0 for f in fractions) and cell["inferential"] + cell["symmetric"] <= 1.0
-    assert cell["kind"] in ("inferential", "symmetric", "neither", "unfit")
-    assert np.isfinite(cell["final_loss"])
+  assert [(g["arm"], g["gamma"], g["depth"]) for g in result["grid"]] == [("midas", 0.5, 2)]
+  (midas,) = result["cells"]
+  # Prop-1 over 20 steps in 2 one-layer stages: 7 then 13 steps; scored at the end of each stage too.
+  assert midas["stage_steps"] == [7, 13]
+  assert [(t["step"], t["depth"]) for t in midas["trajectory"]] == [(7, 1), (20, 2)]
+  fractions = [midas["inferential"], midas["symmetric"], midas["seen"]]
+  assert all(0.0 <= f <= 1.0 for f in fractions) and midas["inferential"] + midas["symmetric"] <= 1.0
+  assert midas["kind"] in ("inferential", "symmetric", "neither", "unfit")
+  assert np.isfinite(midas["final_loss"]) and midas["final_loss"] < midas["trajectory"][0]["loss"]
   assert os.path.getsize(workdir / "phase_diagram.png") > 1000
   assert "AnchorStudyConfig.steps = 20" in open(workdir / "operative_config.gin").read()
   assert "phase diagram:" in capsys.readouterr().out
   # A re-run with the same settings trains nothing; a changed setting is a different study.
   assert cli.main(["study", "anchor", f"--gin_file={gin_file}", f"--workdir={workdir}"] + TINY) == 0
-  assert len(open(workdir / "cells.jsonl").read().splitlines()) == 2
+  assert len(open(workdir / "cells.jsonl").read().splitlines()) == 1
   assert "gamma=" not in capsys.readouterr().out
+
+
+def test_stage_plans_of_the_arms():
+  cfg = anchor.AnchorStudyConfig(steps=1000, stage_alpha=1.0)
+  from midas_jax.evals import anchor_train  # pylint: disable=import-outside-toplevel
+  assert anchor_train.stage_plan(cfg, "fixed", 4) == [(4, 1000)]
+  assert anchor_train.stage_plan(cfg, "midas", 4) == [(1, 100), (2, 200), (3, 300), (4, 400)]
+  assert anchor_train.stage_plan(cfg, "gradstack", 2) == [(1, 333), (2, 667)]
+
+
+def _cell(arm, seed, inferential, symmetric, seen=1.0):
+  return {"arm": arm, "gamma": 0.9, "depth": 4, "seed": seed, "inferential": inferential, "symmetric": symmetric,
+          "seen": seen, "kind": "x"}
+
+
+def test_the_grid_and_phase_diagram_have_a_row_per_arm_with_seed_means_and_ranges(tmp_path):
+  from midas_jax.evals import anchor_train  # pylint: disable=import-outside-toplevel
+  cfg = anchor.AnchorStudyConfig(gammas=(0.9,), depths=(4,), seeds=(0, 1), arms=("fixed", "midas", "gradstack"))
+  cells = [_cell("fixed", 0, 0.1, 0.8), _cell("fixed", 1, 0.1, 0.6), _cell("midas", 0, 0.9, 0.0),
+           _cell("midas", 1, 0.5, 0.2), _cell("gradstack", 0, 0.3, 0.3, seen=0.5), _cell("gradstack", 1, 0.3, 0.3)]
+  grid = anchor_train.summarize(cfg, cells)
+  assert [g["arm"] for g in grid] == ["fixed", "midas", "gradstack"]
+  fixed, midas, gradstack = grid
+  assert (fixed["symmetric"], fixed["seed_range"]["symmetric"], fixed["kind"]) == (pytest.approx(0.7), [0.6, 0.8],
+                                                                                   "symmetric")
+  assert (midas["inferential"], midas["kind"]) == (pytest.approx(0.7), "inferential")
+  assert gradstack["kind"] == "unfit"  # mean seen accuracy 0.75 < fit_threshold
+  text = anchor_train.format_grid(cfg, grid)
+  for arm in cfg.arms:
+    assert f"  {arm} depth 4 gamma 0.9: inferential" in text
+  assert "0.10/0.70 1.00 symme" in text.splitlines()[1]
+  path = str(tmp_path / "phase.png")
+  anchor_train.plot_phase_diagram(cfg, grid, path)
+  assert os.path.getsize(path) > 1000
+
+
+def test_growing_a_cell_copies_layers_and_their_adam_moments():
+  """MIDAS from 2 one-layer blocks to 3: provenance [0, 0, 1]; every `layers` leaf is gathered, moments too."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  from midas_jax.evals import anchor_train  # pylint: disable=import-outside-toplevel
+  from midas_jax.model import Decoder  # pylint: disable=import-outside-toplevel
+  cfg = anchor.AnchorStudyConfig(d_model=16, d_ff=32, steps=10, warmup_steps=1)
+  model = Decoder(anchor_train.model_config(cfg, 0.5, 2))
+  shapes = jax.eval_shape(model.init, jax.random.key(0), anchor_train.decoder_batch(np.zeros((1, 8), np.int32)))
+  distinct = lambda x: np.arange(x.size, dtype=np.float32).reshape(x.shape) / max(x.size, 1)  # noqa: E731
+  params = jax.tree.map(distinct, nn.unbox(shapes["params"]))  # every entry differs, per layer too
+  tx = anchor_train.make_optimizer(cfg)
+  opt_state = jax.tree.map(lambda x: distinct(x) + 1 if getattr(x, "ndim", 0) else x, tx.init(params))  # moments
+  grown, grown_opt = anchor_train.grow(model, tx, params, opt_state, "midas")
+  old, new = jax.tree_util.tree_leaves_with_path(params), dict(jax.tree_util.tree_leaves_with_path(grown))
+  layered = 0
+  for path, leaf in old:
+    if leaf.shape[0] == 2 and "layers" in jax.tree_util.keystr(path):
+      layered += 1
+      np.testing.assert_array_equal(new[path], leaf[np.array([0, 0, 1])])
+    else:
+      np.testing.assert_array_equal(new[path], leaf)  # embeddings, final norm
+  assert layered > 4
+  mu = lambda s: [x for x in jax.tree.leaves(s) if getattr(x, "ndim", 0) >= 2 and x.shape[0] in (2, 3)]  # noqa: E731
+  moments = 0
+  for before, after in zip(mu(opt_state), mu(grown_opt)):
+    if after.shape[0] == 3:
+      moments += 1
+      np.testing.assert_array_equal(after, np.asarray(before)[np.array([0, 0, 1])])
+  assert moments >= 2 * layered - 2  # mu and nu of (nearly) every layered matrix
 
 
 def test_cli_names_a_bad_setting(tmp_path, repo_root, capsys):

@@ -132,25 +132,68 @@ def test_validation_facts_use_held_out_templates():
 # Reasoning
 
 def _evaluate_assignment(line):
-  """Runs `a=5; b=a; print b -> 5`; returns (printed value, claimed value, chain depth)."""
+  """Runs `a=5; b=a; print b -> 5` or `x=3; y=4; c=x+y; print c -> 7`; returns (printed value, claimed
+  value, chain depth, or "math" for a sum or difference)."""
   *statements, final = line.split("; ")
   env, depth = {}, {}
   for statement in statements:
     name, expr = statement.split("=")
-    env[name], depth[name] = (int(expr), 0) if expr.isdigit() else (env[expr], depth[expr] + 1)
+    assert name not in env, line
+    if expr.isdigit():
+      env[name], depth[name] = int(expr), 0
+    elif len(expr) == 1:
+      env[name], depth[name] = env[expr], depth[expr] + 1
+    else:
+      a, op, b = expr
+      env[name], depth[name] = (env[a] + env[b] if op == "+" else env[a] - env[b]), "math"
   target, claimed = re.fullmatch(r"print (\w) -> (\d+)", final).groups()
   return env[target], int(claimed), depth[target]
 
 
 @pytest.mark.parametrize("split", corpus.SPLITS)
-def test_assignment_chains_resolve(split):
+def test_assignment_chains_and_sums_resolve(split):
   depths = collections.Counter()
   for text in _of_kind(split, "assignment"):
     for line in text.split("\n"):
       value, claimed, depth = _evaluate_assignment(line)
-      assert value == claimed, line
+      assert value == claimed >= 0, line
       depths[depth] += 1
-  assert set(depths) == {0, 1, 2} and min(depths.values()) > 0.25 * sum(depths.values())
+  chains = sum(depths[d] for d in (0, 1, 2))
+  assert set(depths) == {0, 1, 2, "math"} and min(depths[d] for d in (0, 1, 2)) > 0.25 * chains
+  assert 0.2 < depths["math"] / sum(depths.values()) < 0.3
+
+
+def _reasoning_lines(split):
+  return {line for kind in ("assignment", "copy") for text in _of_kind(split, kind) for line in text.split("\n")}
+
+
+def test_every_primitive_prompt_form_occurs_in_train_and_no_eval_question_does():
+  """The primitives are asked in the corpus's notation (evals/primitives.py), and held out."""
+  from midas_jax.evals import primitives  # pylint: disable=import-outside-toplevel
+  lines = _reasoning_lines("train")
+  prompts = {line.rpartition(" -> ")[0] + " ->" for line in lines if " -> " in line}
+  prompts |= {line.split(" | ")[0] + " | copy:" for line in lines if " | copy: " in line}
+  assert not any(corpus.is_held_out(p) for p in prompts)
+  shapes = lambda p: re.sub(r"\d", "D", re.sub(r"[a-z](?=[=;+-])|(?<=[=+-])[a-z]|print [a-z]", "x", p))  # noqa: E731
+  train_shapes = {shapes(p) for p in prompts if "copy" not in p}
+  for task in primitives.TASKS:
+    questions = primitives.sample(task, 200, seed=0)
+    assert all(corpus.is_held_out(q.prompt) for q in questions)
+    assert not any(q.prompt + q.answer in lines for q in questions)
+    if task == "copying":
+      assert any(line.endswith(": " + line.split(" | ")[0]) and " | copy: " in line for line in lines)
+    else:  # the same statement pattern (names and digits abstracted) occurs in training
+      assert {shapes(q.prompt) for q in questions} <= train_shapes, task
+    tuned = primitives.sample(task, 50, seed=0, stream="finetune")
+    assert not any(corpus.is_held_out(q.prompt) for q in tuned)
+
+
+def test_held_out_rule_is_a_fixed_tenth_of_prompts():
+  prompts = [f"a={i % 10}; b=a; k={i // 10 % 10}; print b ->" for i in range(100)] + \
+      [f"{i:08x} | copy:" for i in range(2000)]
+  share = sum(map(corpus.is_held_out, prompts)) / len(prompts)
+  assert 0.07 < share < 0.13
+  assert [corpus.is_held_out(p) for p in prompts] == [corpus.is_held_out(p) for p in prompts]
 
 
 def _solve_word_problem(problem):

@@ -12,7 +12,7 @@ DOCS = [ROOT / "README.md", *ROOT.glob("docs/*.md"), ROOT / "launch" / "README.m
 CITATION = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w.-]+\.md)(#[\w-]+)?")
 # Files the code writes into its outputs (an export's README, `midas report`, `midas compare`) and
 # placeholders of command lines: named in code, but not documents of this repository.
-WRITTEN_BY_CODE = {"README.md", "report.md", "comparison.md", "DIR/report.md", "FILE.md"}
+WRITTEN_BY_CODE = {"README.md", "report.md", "comparison.md", "DIR/report.md", "FILE.md", "study.md", "DIR/study.md"}
 
 
 def slug(heading: str) -> str:

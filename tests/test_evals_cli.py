@@ -15,7 +15,7 @@ from midas_jax.train.loop import train
 
 STEPS = 6
 EVAL_FLAGS = ["--k_shot=1", "--num_examples=4", "--finetune_examples=8", "--finetune_steps=3", "--loop_repeats=2",
-              "--batch_size=8", "--opt=max_checkpoints=1"]
+              "--batch_size=8", "--opt=max_checkpoints=1", "--opt=score_examples=4"]
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,13 @@ def test_every_suite_writes_json_with_the_checkpoint_step_stage_and_depth(evalua
       assert sample["prompt"].endswith(sample["meta"]["query"]) and sample["prompt"].count("\n") == 1  # one shot
       assert sample["correct"] == (sample["ended"] and sample["prediction"].split("\n")[0].strip().rstrip(".")
                                    == sample["answer"].strip())
+  scores = _read(evaluated, "primitive_scores")["results"]
+  assert list(scores["tasks"]) == list(primitives.TASKS) and scores["score_examples"] == 4
+  for task in scores["tasks"].values():
+    assert task["questions"] == 4 and set(task["scores"]) == {"log_likelihood", "forced_choice", "token_accuracy",
+                                                              "exact_match"}
+    for score in task["scores"].values():
+      assert score["ci95"][0] <= score["value"] <= score["ci95"][1] and score["chance"] is not None
   ft = _read(evaluated, "primitives_finetune")["results"]
   assert all(t["total"] == 4 and t["train_examples"] == 8 and t["steps"] == 3 for t in ft["tasks"].values())
   mem = _read(evaluated, "memorization")["results"]
@@ -56,7 +63,8 @@ def test_every_suite_writes_json_with_the_checkpoint_step_stage_and_depth(evalua
   assert {c: mem[c]["total"] for c in ("closed_book", "open_book", "open_book_counterfactual")} == \
       {"closed_book": 4, "open_book": 4, "open_book_counterfactual": 4}
   for suite, figure in (("primitives", "primitives.png"), ("looping", "looping.png"),
-                        ("memorization", "memorization.png"), ("primitives_finetune", "primitives_finetune.png")):
+                        ("memorization", "memorization.png"), ("primitives_finetune", "primitives_finetune.png"),
+                        ("primitive_scores", "primitive_scores.png")):
     assert figure in _read(evaluated, suite)["results"]["figures"]
     assert os.path.getsize(os.path.join(evaluated, "eval", figure)) > 1000
 
@@ -77,13 +85,18 @@ def test_report_assembles_curves_tables_and_figures(evaluated):
   assert cli.main(["report", f"--workdir={evaluated}"]) == 0
   page = open(os.path.join(evaluated, "report.md")).read()
   for heading in ("## Loss per objective", "## Throughput", "## Reasoning primitives, 1-shot",
+                  "## Reasoning primitives: scores that move early, 1-shot", "**forced choice among candidates**",
                   "## Reasoning primitives after fine-tuning", "## Looping the middle block at inference",
                   "## Memorization against reasoning"):
     assert heading in page
   prim = _read(evaluated, "primitives")["results"]["tasks"]
   for name, task in prim.items():
+    lo, hi = task["accuracy_ci95"]
     assert f"| {name} | {task['primitive']} | {'-' if task['depth'] is None else task['depth']} | " \
-           f"{task['majority_share']:.3f} | {task['accuracy']:.3f} |" in page
+           f"{task['majority_share']:.3f} | {task['accuracy']:.3f} [{lo:.2f}, {hi:.2f}] |" in page
+  scores = _read(evaluated, "primitive_scores")["results"]["tasks"]
+  fc = scores["copying"]["scores"]["forced_choice"]
+  assert f"| copying | {fc['chance']:.3f} | {fc['value']:.3f} [{fc['ci95'][0]:.3f}, {fc['ci95'][1]:.3f}] |" in page
   links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)
   assert "report/loss_curves.png" in links and "eval/similarity_layers.png" in links
   assert all(os.path.isfile(os.path.join(evaluated, link)) for link in links)

@@ -136,8 +136,9 @@ def test_a_completion_counts_only_if_its_line_ended():
                  decoding.Completion(" 6\n", (), True)]
   records = scoring.score(examples, completions)
   assert [r["correct"] for r in records] == [True, False, False]
+  wilson = [pytest.approx(0.0615, abs=1e-4), pytest.approx(0.7923, abs=1e-4)]  # 1 of 3
   assert scoring.summarize(records) == {"accuracy": pytest.approx(1 / 3), "correct": 1, "total": 3,
-                                       "majority_share": 1.0, "distinct_predictions": 2}
+                                       "accuracy_ci95": wilson, "majority_share": 1.0, "distinct_predictions": 2}
 
 
 # ---------------------------------------------------------------------------------------------

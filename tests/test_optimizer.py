@@ -286,3 +286,36 @@ def test_good_configs_build_with_and_without_clipping():
     tx = make_optimizer(cfg, 10)
     updates, _ = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
     assert jax.tree.structure(updates) == jax.tree.structure(params)
+
+
+def test_wsd_warms_up_holds_the_peak_then_decays_linearly_over_the_last_fraction():
+  cfg = OptimizerConfig(learning_rate=PEAK, warmup_steps=10, decay="wsd", decay_fraction=0.2, final_lr_fraction=0.0)
+  got = lrs(cfg, 100, range(0, 101))
+  np.testing.assert_allclose(got[:11], PEAK * np.arange(11) / 10, rtol=1e-5, atol=1e-9)
+  np.testing.assert_allclose(got[10:81], PEAK, rtol=1e-6)  # stable until the last 20 steps
+  np.testing.assert_allclose(got[80:101], PEAK * (1 - np.arange(21) / 20), rtol=1e-5, atol=1e-9)
+  # A shorter run decays over its own last fifth, at the same peak until then.
+  short = lrs(cfg, 50, range(0, 51))
+  np.testing.assert_allclose(short[10:41], PEAK, rtol=1e-6)
+  assert short[50] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_wsd_settings_are_checked():
+  with pytest.raises(ConfigError, match="OptimizerConfig.decay_fraction"):
+    OptimizerConfig(decay="wsd", decay_fraction=0.0)
+  cfg = OptimizerConfig(decay="wsd", warmup_steps=90, decay_fraction=0.2)
+  with pytest.raises(ConfigError, match="OptimizerConfig.decay_fraction") as e:
+    learning_rate_schedule(cfg, 100)  # 90 warmup + 20 decay steps overlap
+  assert "overlap" in str(e.value)
+
+
+def test_wsd_gin_file_gives_the_default_job_a_warmup_stable_decay_schedule():
+  from midas_jax import gin_config  # pylint: disable=import-outside-toplevel
+  gin_config.parse(["experiments/midas_cpu.gin", "schedules/wsd.gin"], [])
+  config = gin_config.run_config_from_gin()
+  opt, steps = config.optimizer, config.trainer.num_steps
+  assert (opt.decay, opt.decay_fraction, opt.final_lr_fraction, steps, opt.warmup_steps) == ("wsd", 0.2, 0.0, 120, 10)
+  got = lrs(opt, steps, range(steps + 1)) / opt.learning_rate
+  np.testing.assert_allclose(got[:11], np.arange(11) / 10, atol=1e-6)  # warmup
+  np.testing.assert_allclose(got[10:97], 1.0, rtol=1e-6)  # the peak, through every growth (12, 36, 72)
+  np.testing.assert_allclose(got[96:], 1 - np.arange(25) / 24, atol=1e-6)  # the last 20%: 24 steps to 0

@@ -1,6 +1,7 @@
 """Stage schedules (Prop-alpha), depth over time, speedups and the stacking config checks."""
 
 import dataclasses
+import warnings
 
 import pytest
 from hypothesis import given, settings
@@ -229,3 +230,32 @@ def test_prop_alpha_refuses_more_stages_than_steps():
 def test_stacking_config_is_frozen():
   with pytest.raises(dataclasses.FrozenInstanceError):
     configs.StackingConfig().num_stages = 2
+
+
+def test_a_warmup_longer_than_the_first_stage_is_warned_about_naming_the_settings():
+  # Prop-1 over 120 steps and 4 stages: 12, 24, 36, 48; a warmup of 20 never reaches the peak in stage 1.
+  with pytest.warns(checks.ScheduleWarning) as caught:
+    run(steps=120, warmup=20, num_stages=4)
+  message = str(caught[0].message)
+  assert "OptimizerConfig.warmup_steps=20" in message and "first stage (12" in message and "at most 12" in message
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # none of these warns
+    run(steps=120, warmup=12, num_stages=4)
+    run(steps=120, warmup=20, num_stages=4, stage_steps=(30, 30, 30, 30))
+    run(steps=120, warmup=500)  # no stages, nothing to clash with
+
+
+@pytest.mark.parametrize("gin_file", ["midas_cpu.gin", "gradstack_cpu.gin", "bench_stacking_cpu.gin",
+                                      "study_stacking_cpu.gin"])
+def test_the_shipped_cpu_stacking_jobs_warm_up_within_their_first_stage(gin_file):
+  from midas_jax import gin_config  # pylint: disable=import-outside-toplevel
+  from midas_jax.evals import study_commands  # pylint: disable=import-outside-toplevel
+  path = f"experiments/{gin_file}"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", checks.ScheduleWarning)
+    if gin_file.startswith("study_"):  # as `midas study stacking` reads it, with its own configurable
+      config, _, _ = study_commands.stacking_study_from_gin([path], [])
+    else:
+      gin_config.parse([path], [])
+      config = gin_config.run_config_from_gin()
+  assert config.stacking.num_stages > 1

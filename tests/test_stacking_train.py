@@ -1,5 +1,6 @@
 """Training that grows: stages, growth in the loop, metrics at equal compute, `midas inspect`."""
 
+import dataclasses
 import json
 import os
 import re
@@ -64,14 +65,24 @@ def test_inspect_without_a_run_is_a_clear_error(tmp_path, capsys):
 
 def test_compare_trains_the_pair_and_writes_table_and_plot(tmp_path):
   from midas_jax import compare  # pylint: disable=import-outside-toplevel
-  report = compare.compare(stacked_run("midas", num_stages=2, stage_steps=(4, 4)), str(tmp_path))
+  config = stacked_run("midas", num_stages=2, stage_steps=(4, 4))
+  config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, eval_every=2))
+  report = compare.compare(config, str(tmp_path))
   base, stacked = report["runs"]
   assert base["run"] == "baseline" and stacked["run"] == "midas"
   assert base["steps"] == stacked["steps"] == 8
   assert report["flop_ratio"] > 1.2 and stacked["total_flops"] < base["total_flops"]
   for row in (base, stacked):
     assert row["final_eval_loss"] is not None and row["eval_loss/causal"] is not None
-  assert "| baseline |" in (tmp_path / "comparison.md").read_text()
+  table = (tmp_path / "comparison.md").read_text()
+  assert "| baseline |" in table
+  # Equal FLOPs: the baseline's eval curve (steps 2, 4, 6, 8) read at MIDAS's total, by interpolation.
+  evals = read_metrics(base["workdir"], "eval")
+  at = report["baseline_eval_loss_at_stacked_flops"]
+  assert at == pytest.approx(np.interp(stacked["total_flops"], [r["cumulative_flops"] for r in evals],
+                                       [r["loss"] for r in evals]))
+  assert f"at midas's total {stacked['total_flops']:.3e} FLOPs (interpolated on its eval curve) is {at:.4f}" in table
+  assert compare.loss_at_flops(evals, evals[0]["cumulative_flops"] / 2) is None  # no extrapolation
   png = (tmp_path / "loss_vs_flops.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
   assert json.loads((tmp_path / "comparison.json").read_text())["growths"][0]["step"] == 4

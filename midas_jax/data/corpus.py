@@ -7,7 +7,8 @@ things one can measure separately:
   facts        0.30   knowledge of a fixed synthetic world    closed-book / open-book questions
   story        0.25   fluent simple English (TinyStories-like) perplexity
   arithmetic   0.15   small word problems, worked answers     the number after "Answer:"
-  assignment   0.15   variable chains of depth 0..2           the value after "->"
+  assignment   0.15   variable chains of depth 0..2, and      the value after "->"
+                      sums/differences of two variables
   copy         0.15   exact copying of a random sequence      the copy after ": "
 
 Shares are of documents (exact counts); train has 20,000 documents (4.6 MB) and validation 1,000
@@ -21,6 +22,14 @@ The questions ask about any attribute of the document's people, stated in it or 
 trains both reading the context (open-book) and recall (closed-book). Validation states the same world
 with held-out templates, so its facts loss measures knowledge, not memorized sentences.
 
+Reasoning lines are written in the notation the primitives of evals/primitives.py ask in:
+`a=5; k=2; b=a; print b -> 5` (assignment), `x=3; y=4; k=1; c=x+y; print c -> 7` (pre-school
+math) and `k3#q8z | copy: k3#q8z` (copying, beside other instructions), so every primitive's prompt
+format is one the model has read. Held-out questions: `is_held_out(prompt)` puts a fixed tenth of
+all possible prompts (by a hash of the prompt text) out of the training split; a train line whose
+prompt falls there is redrawn, and the primitives' evaluation questions are drawn only from there.
+So no evaluation question can be a training line, however many are asked.
+
 Disjointness: no text appears twice in a split or in both splits; validation documents that a
 train document already has are redrawn. No document contains a blank line (text files separate
 documents by blank lines).
@@ -31,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+import zlib
 from typing import Callable, Dict, List, Mapping, NamedTuple, Set, Tuple
 
 from midas_jax import fs
@@ -40,6 +50,7 @@ SIZES = {"train": 20_000, "validation": 1_000}
 MIXTURE = (("facts", 0.30), ("story", 0.25), ("arithmetic", 0.15), ("assignment", 0.15),
            ("copy", 0.15))
 NUM_ENTITIES = 300
+HOLD_OUT_MODULUS = 10  # one prompt in ten is held out of the training split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +179,25 @@ _SYMBOLS = "abcdefghijklmnopqrstuvwxyz0123456789#@%&*+"
 _COPY_INSTRUCTIONS = ("copy", "repeat it", "say it again", "write the same")
 
 
-def _assignment_line(rng: random.Random) -> str:
+def is_held_out(prompt: str) -> bool:
+  """Whether a reasoning question (its prompt, ending on its answer marker) is held out of training.
+
+  A pure function of the text (CRC-32, not Python's salted hash), so the corpus and the evaluations
+  agree on it in every process. Copy lines are keyed by their canonical prompt `SEQ | copy:`
+  whatever instruction they use.
+  """
+  return zlib.crc32(prompt.encode("utf-8")) % HOLD_OUT_MODULUS == 0
+
+
+def _trainable(make: Callable[[random.Random], Tuple[str, str]], rng: random.Random, split: str) -> str:
+  """A line `prompt + answer` from make(rng) -> (key prompt, line); in train, never a held-out one."""
+  while True:
+    key, line = make(rng)
+    if split != "train" or not is_held_out(key):
+      return line
+
+
+def _chain_line(rng: random.Random) -> Tuple[str, str]:
   """`a=5; k=2; b=a; print b -> 5`: a chain of `depth` hops from a literal, with literal distractors."""
   depth = rng.randint(0, 2)
   names = rng.sample(_LETTERS, depth + 3)
@@ -177,19 +206,43 @@ def _assignment_line(rng: random.Random) -> str:
   statements = [f"{chain[0]}={value}"] + [f"{b}={a}" for a, b in zip(chain, chain[1:])]
   for d in distractors:  # anywhere, the chain keeping its order
     statements.insert(rng.randint(0, len(statements)), f"{d}={rng.randint(0, 9)}")
-  return "; ".join(statements) + f"; print {chain[-1]} -> {value}"
+  prompt = "; ".join(statements) + f"; print {chain[-1]} ->"
+  return prompt, f"{prompt} {value}"
+
+
+def math_question(rng: random.Random) -> Tuple[str, int, str]:
+  """(prompt, result, op) of `x=3; y=4; k=1; c=x+y; print c ->`: two digit literals and a distractor in
+  random order, then their sum or difference (never negative). The pre-school-math primitive
+  (evals/primitives.py) asks exactly these."""
+  a, b, c, k = rng.sample(_LETTERS, 4)
+  op = rng.choice("+-")
+  x, y = rng.randint(0, 9), rng.randint(0, 9)
+  if op == "-" and x < y:
+    x, y = y, x
+  literals = [f"{a}={x}", f"{b}={y}", f"{k}={rng.randint(0, 9)}"]
+  rng.shuffle(literals)
+  prompt = "; ".join(literals + [f"{c}={a}{op}{b}"]) + f"; print {c} ->"
+  return prompt, x + y if op == "+" else x - y, op
+
+
+def _math_line(rng: random.Random) -> Tuple[str, str]:
+  prompt, result, _ = math_question(rng)
+  return prompt, f"{prompt} {result}"
 
 
 def _assignment_doc(rng: random.Random, w: World, split: str) -> str:
-  return "\n".join(_assignment_line(rng) for _ in range(rng.randint(4, 8)))
+  """4 to 8 lines; a quarter of them (on average) arithmetic on variables, the rest chains."""
+  return "\n".join(_trainable(_math_line if rng.random() < 0.25 else _chain_line, rng, split)
+                   for _ in range(rng.randint(4, 8)))
+
+
+def _copy_line(rng: random.Random) -> Tuple[str, str]:
+  seq = "".join(rng.choices(_SYMBOLS, k=rng.randint(4, 16)))
+  return f"{seq} | copy:", f"{seq} | {rng.choice(_COPY_INSTRUCTIONS)}: {seq}"
 
 
 def _copy_doc(rng: random.Random, w: World, split: str) -> str:
-  lines = []
-  for _ in range(rng.randint(3, 6)):
-    seq = "".join(rng.choices(_SYMBOLS, k=rng.randint(4, 16)))
-    lines.append(f"{seq} | {rng.choice(_COPY_INSTRUCTIONS)}: {seq}")
-  return "\n".join(lines)
+  return "\n".join(_trainable(_copy_line, rng, split) for _ in range(rng.randint(3, 6)))
 
 
 _PEOPLE = "Tom Anna Sam Lily Ben Mia Max Lucy Jack Emma Leo Nora Ted Ruth Paul Zoe".split()

@@ -20,6 +20,7 @@ one answering key-6 has copied the rule of its mirror image (3, 4): the symmetri
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, Tuple
 
 import numpy as np
@@ -115,6 +116,7 @@ def make_examples(rng: np.random.Generator, n: int, split: str = "train",
 
 GAMMA_RANGE = (0.05, 3.0)
 FAMILIES = ("gpt2", "llama")
+ARMS = ("fixed", "midas", "gradstack")  # fixed depth throughout, or grown by that operator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,11 +127,18 @@ class AnchorStudyConfig:
   once per seed on `train_examples` fixed training rows, with AdamW and the loss on the last token
   only, and is scored on `eval_examples` test-split rows per pair. A cell whose seen-pair test
   accuracy is below `fit_threshold` did not fit the task and is shaded in the phase diagram.
+
+  arms: "fixed" trains at `depth` throughout; "midas" and "gradstack" start from one layer and grow
+  by that operator in `depth` stages of one-layer blocks (Prop-`stage_alpha` stage lengths, one
+  learning-rate schedule over all steps, copied layers keep their source's Adam moments), ending
+  at `depth` layers after the same `steps`.
   """
 
   gammas: Tuple[float, ...] = (0.3, 0.5, 0.7, 0.9)
   depths: Tuple[int, ...] = (2, 3)
   seeds: Tuple[int, ...] = (0,)
+  arms: Tuple[str, ...] = ("fixed",)
+  stage_alpha: float = 1.0
   family: str = "gpt2"
   d_model: int = 64
   num_heads: int = 1
@@ -148,7 +157,7 @@ class AnchorStudyConfig:
 
   def __post_init__(self):
     s = "AnchorStudyConfig."
-    for name in ("gammas", "depths", "seeds"):
+    for name in ("gammas", "depths", "seeds", "arms"):
       object.__setattr__(self, name, tuple(getattr(self, name)))  # gin hands over lists
       require(len(getattr(self, name)) > 0, s + name, "is empty", f"list at least one value in {s}{name}")
     require(all(GAMMA_RANGE[0] <= g <= GAMMA_RANGE[1] for g in self.gammas), s + "gammas",
@@ -158,6 +167,16 @@ class AnchorStudyConfig:
             f"must be positive ints, got {self.depths}", "e.g. depths = [2, 3]")
     require(all(isinstance(x, int) and x >= 0 for x in self.seeds), s + "seeds",
             f"must be non-negative ints, got {self.seeds}", "e.g. seeds = [0, 1]")
+    require(all(a in ARMS for a in self.arms) and len(set(self.arms)) == len(self.arms), s + "arms",
+            f"{self.arms} are not distinct names of {ARMS}", f"list some of {ARMS}, e.g. arms = ['fixed', 'midas']")
+    stacked = [a for a in self.arms if a != "fixed"]
+    require(not stacked or min(self.depths) >= 2, s + "depths",
+            f"the stacked arms {stacked} grow one-layer blocks in `depth` stages, so every depth must be >= 2, "
+            f"got {self.depths}", "use depths >= 2 with stacked arms (e.g. depths = [4])")
+    require(not stacked or self.steps >= max(self.depths), s + "steps",
+            f"{self.steps} steps cannot give each of {max(self.depths)} stages a step", "train longer")
+    require(math.isfinite(self.stage_alpha), s + "stage_alpha", f"must be finite, got {self.stage_alpha}",
+            "1.0 is Prop-1, 0.0 equal stages")
     require(self.family in FAMILIES, s + "family", f"unknown family {self.family!r}", f"use one of {FAMILIES}")
     for name in ("d_model", "num_heads", "d_ff", "train_examples", "batch_size", "steps", "eval_examples"):
       value = getattr(self, name)
@@ -179,17 +198,4 @@ class AnchorStudyConfig:
 
   @property
   def num_cells(self) -> int:
-    return len(self.gammas) * len(self.depths) * len(self.seeds)
-
-
-_gin_registered = False
-
-
-def register_gin() -> None:
-  """Registers AnchorStudyConfig with gin (module "midas"), once, as gin_config does the run configs."""
-  global _gin_registered
-  if _gin_registered:
-    return
-  import gin  # pylint: disable=import-outside-toplevel
-  gin.configurable(AnchorStudyConfig, module="midas")
-  _gin_registered = True
+    return len(self.arms) * len(self.gammas) * len(self.depths) * len(self.seeds)

@@ -31,7 +31,8 @@ def register(sub, bench_sub) -> Dict[str, object]:
   ev = sub.add_parser("eval", help="evaluate a checkpoint: JSON results and PNG figures under DIR/eval/")
   ev.add_argument("--workdir", required=True, help="a run's workdir (latest checkpoint) or a params-only export")
   ev.add_argument("--suite", required=True,
-                  help="primitives, primitives_finetune, memorization, looping, similarity, embeddings, "
+                  help="primitives, primitive_scores, primitives_finetune, memorization, looping, similarity, "
+                       "embeddings, "
                        "delta_l, a comma-separated list, or all (every suite that applies)")
   ev.add_argument("--k_shot", type=int, default=None, help="solved examples before each question (default 5)")
   ev.add_argument("--num_examples", type=int, default=None, help="held-out questions per task (default 100)")

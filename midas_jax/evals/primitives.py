@@ -2,8 +2,10 @@
 
 The paper names the primitives (induction copying, variable assignment at depth 0, 1 and 2, pre-school
 math) but publishes no templates, so these formats are ours. They use the notation of the built-in
-corpus (data/corpus.py), so a model trained on it knows the answer markers, but every example is
-drawn fresh here:
+corpus (data/corpus.py), whose training split has lines of every one of these forms, so a model
+trained on it knows the notation; the questions themselves are held out: evaluation questions are
+drawn only among the prompts `corpus.is_held_out` keeps out of the training split, fine-tuning
+examples only among the others:
 
   task               prompt                                   answer
   copying            `k3#q8z | copy:`                          ` k3#q8z`  (5 to 10 random symbols)
@@ -22,22 +24,32 @@ is exactly the text a model trained on the corpus saw (tokenizers that merge a s
 piece see the same pieces). A k-shot prompt is k solved examples of the task, one per line, then
 the query; decoding stops at the end of the line and scoring is exact match (scoring.py).
 Everything is a pure function of (task, seed, index).
+
+`candidates(example)` lists the answers a forced choice weighs against each other (likelihood.py):
+the distinct digits of the prompt for assignment (the value and its two distractors), the integers
+within CANDIDATE_RADIUS of the result for pre-school math, and for copying the true sequence
+against NUM_SHUFFLES shuffles of its own symbols.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import string
 import time
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
+from midas_jax.data.corpus import is_held_out, math_question
 from midas_jax.errors import ConfigError, require
 
 COPY_SYMBOLS = string.ascii_lowercase + string.digits + "#@%&*+"
 COPY_LENGTHS = (5, 10)
 NAMES = string.ascii_lowercase
 NUM_DISTRACTORS = 2
+CANDIDATE_RADIUS = 2  # pre-school math: the result and its neighbours within 2 (none negative)
+NUM_SHUFFLES = 2  # copying: the true sequence against two shuffles of its symbols
+STREAMS = ("eval", "finetune")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +95,8 @@ def make_assignment(rng: random.Random, depth: int) -> Example:
 
 
 def make_psm(rng: random.Random) -> Example:
-  a, b, c, k = rng.sample(NAMES, 4)
-  op = rng.choice("+-")
-  x, y = rng.randint(0, 9), rng.randint(0, 9)
-  if op == "-" and x < y:
-    x, y = y, x
-  literals = [f"{a}={x}", f"{b}={y}", f"{k}={rng.randint(0, 9)}"]
-  rng.shuffle(literals)
-  result = x + y if op == "+" else x - y
-  return Example("; ".join(literals + [f"{c}={a}{op}{b}"]) + f"; print {c} ->", f" {result}", {"op": op})
+  prompt, result, op = math_question(rng)  # the corpus's own generator: the same notation by construction
+  return Example(prompt, f" {result}", {"op": op})
 
 
 TASKS: Dict[str, Task] = {
@@ -103,6 +108,32 @@ TASKS: Dict[str, Task] = {
 }
 
 
+def candidates(example: Example) -> List[str]:
+  """The answers a forced choice weighs, the true one first; none is a prefix of another.
+
+  Computed from the query (meta["query"] for a k-shot example, else the prompt) and the answer.
+  """
+  task = example.meta["task"]
+  query = example.meta.get("query", example.prompt)
+  truth = example.answer
+  if task == "copying":
+    rng = random.Random(f"midas-evals/candidates/{query}")
+    seq, shuffles = truth[1:], []
+    for _ in range(100):  # a sequence of one repeated symbol has no distinct shuffle
+      mixed = "".join(rng.sample(seq, len(seq)))
+      if mixed != seq and mixed not in shuffles:
+        shuffles.append(mixed)
+      if len(shuffles) == NUM_SHUFFLES:
+        break
+    return [truth] + [f" {s}" for s in shuffles]
+  if task == "psm":
+    result = int(truth)
+    near = range(max(result - CANDIDATE_RADIUS, 0), result + CANDIDATE_RADIUS + 1)
+    return [truth] + [f" {n}" for n in near if n != result]
+  digits = sorted(set(re.findall(r"=(\d)\b", query)))  # the literals of the program
+  return [truth] + [f" {d}" for d in digits if f" {d}" != truth]
+
+
 def _task(name: str) -> Task:
   if name not in TASKS:
     raise ConfigError("--tasks", f"unknown primitive task {name!r}", f"use some of {tuple(TASKS)}")
@@ -112,19 +143,21 @@ def _task(name: str) -> Task:
 def sample(task: str, num: int, seed: int, stream: str = "eval", exclude: Sequence[str] = ()) -> List[Example]:
   """`num` examples of `task` with distinct prompts, none in `exclude`; a pure function of the arguments.
 
-  `stream` names an independent random stream ("eval" for held-out questions, "finetune" for training).
+  `stream` names an independent random stream: "eval" draws only questions held out of the corpus's
+  training split (corpus.is_held_out), "finetune" only the others.
   """
   spec = _task(task)
+  require(stream in STREAMS, "stream", f"unknown stream {stream!r}", f"use one of {STREAMS}")
   rng = random.Random(f"midas-evals/{task}/{seed}/{stream}")
   seen, out = set(exclude), []
   attempts = 0
   while len(out) < num:
     attempts += 1
-    if attempts > 20 * num + 100:
+    if attempts > 50 * num + 200:  # one prompt in HOLD_OUT_MODULUS is held out
       raise ConfigError("--num_examples", f"cannot draw {num} distinct {task} examples",
                         "ask for fewer examples")
     ex = spec.make(rng)
-    if ex.prompt in seen:
+    if ex.prompt in seen or is_held_out(ex.prompt) != (stream == "eval"):
       continue
     seen.add(ex.prompt)
     out.append(Example(ex.prompt, ex.answer, dict(ex.meta, task=task, primitive=spec.primitive,

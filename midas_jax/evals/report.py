@@ -30,8 +30,10 @@ def _pyplot():
   return plt
 
 
-def bar_chart(path: str, values: Mapping[str, float], title: str, reference: Optional[float] = None) -> str:
-  """Accuracies as bars (0 to 1), with an optional dashed reference line; returns the file name."""
+def bar_chart(path: str, values: Mapping[str, float], title: str, reference: Optional[float] = None,
+              references: Optional[Mapping[str, float]] = None) -> str:
+  """Accuracies as bars (0 to 1), with an optional dashed reference line (or one dash per bar, e.g. each
+  task's chance level); returns the file name."""
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(values) + 1.5), 3.6))
   names = list(values)
@@ -40,6 +42,12 @@ def bar_chart(path: str, values: Mapping[str, float], title: str, reference: Opt
     ax.text(i, values[n] + 0.01, f"{values[n]:.2f}", ha="center", va="bottom", fontsize=8)
   if reference is not None:
     ax.axhline(reference, color="gray", linestyle="--", linewidth=0.8, label="chance")
+    ax.legend(fontsize=8)
+  for i, n in enumerate(names):
+    if references and n in references:
+      ax.hlines(references[n], i - 0.45, i + 0.45, colors="gray", linestyles="--", linewidth=1.0,
+                label="chance" if i == 0 else None)
+  if references:
     ax.legend(fontsize=8)
   ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
   ax.set_ylim(0, 1.05)
@@ -232,6 +240,40 @@ def _suite_note(runs, suite: str) -> str:
   return "; ".join(parts)
 
 
+def _with_interval(task: Dict[str, Any]) -> str:
+  """An accuracy and its 95% interval, when the suite recorded one."""
+  ci = task.get("accuracy_ci95")
+  return _fmt(task["accuracy"]) + ("" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]")
+
+
+SCORE_TITLES = (("log_likelihood", "mean log-likelihood of the answer tokens (nats per token)"),
+                ("forced_choice", "forced choice among candidates"),
+                ("token_accuracy", "teacher-forced per-token accuracy"),
+                ("exact_match", "exact match of greedy decoding, strict (teacher-forced check)"))
+
+
+def _primitive_scores_section(runs, names: List[str]) -> List[str]:
+  """One table per score of the `primitive_scores` suite: value [95% interval] per run, and chance."""
+  record = next(r["evals"]["primitive_scores"] for r in runs if "primitive_scores" in r["evals"])
+  res = record["results"]
+  lines = ["", f"## Reasoning primitives: scores that move early, {res['k_shot']}-shot", "",
+           f"{res['score_examples']} held-out questions per task ({_suite_note(runs, 'primitive_scores')}); each "
+           "cell is the score and its 95% interval; `chance` is what a model with no skill scores.", ""]
+  for key, title in SCORE_TITLES:
+    lines += [f"**{title}**", ""]
+    rows = []
+    for task, first in res["tasks"].items():
+      cells = []
+      for run in runs:
+        t = run["evals"].get("primitive_scores", {}).get("results", {}).get("tasks", {}).get(task)
+        score = t["scores"][key] if t else None
+        cells.append(None if score is None else
+                     f"{score['value']:.3f} [{score['ci95'][0]:.3f}, {score['ci95'][1]:.3f}]")
+      rows.append([task, first["scores"][key]["chance"]] + cells)
+    lines += _table(["task", "chance"] + names, rows) + [""]
+  return lines
+
+
 # ---------------------------------------------------------------------------------------------
 # Goodput: where the wall time went
 
@@ -298,7 +340,9 @@ def eval_sections(runs: List[Dict[str, Any]], rel=lambda p: p) -> List[str]:
               f"Exact match of greedy decoding ({_suite_note(runs, 'primitives')}); `majority` is what always "
               "giving the most common answer would score.", ""]
     lines += _table(["task", "primitive", "depth", "majority"] + names,
-                    _task_rows(runs, "primitives", lambda t: t["accuracy"]))
+                    _task_rows(runs, "primitives", _with_interval))
+  if has("primitive_scores"):
+    lines += _primitive_scores_section(runs, names)
   if has("primitives_finetune"):
     lines += ["", "## Reasoning primitives after fine-tuning", "",
               f"Held-out accuracy after a short fine-tune per task ({_suite_note(runs, 'primitives_finetune')}).", ""]
@@ -328,8 +372,8 @@ def eval_sections(runs: List[Dict[str, Any]], rel=lambda p: p) -> List[str]:
         for run in runs])
     rows.append(["chance"] + [run["evals"].get("memorization", {}).get("results", {}).get("chance") for run in runs])
     lines += _table(["condition"] + names, rows)
-  others = sorted({s for run in runs for s in run["evals"]} - {"primitives", "primitives_finetune", "looping",
-                                                                "memorization"})
+  others = sorted({s for run in runs for s in run["evals"]} - {"primitives", "primitive_scores",
+                                                                "primitives_finetune", "looping", "memorization"})
   if others:
     lines += ["", "## Other evaluations", ""]
     for run in runs:

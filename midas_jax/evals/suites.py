@@ -19,6 +19,7 @@ from midas_jax.errors import ConfigError
 
 SUITES: Dict[str, str] = {
     "primitives": "midas_jax.evals.primitives:run_suite",
+    "primitive_scores": "midas_jax.evals.likelihood:run_suite",
     "primitives_finetune": "midas_jax.evals.finetune:run_suite",
     "memorization": "midas_jax.evals.memorization:run_suite",
     "looping": "midas_jax.evals.looping:run_suite",
@@ -31,6 +32,7 @@ SUITES: Dict[str, str] = {
 DEFAULTS: Dict[str, Any] = {
     "k_shot": 5,                 # solved examples before each primitive question
     "num_examples": 100,         # held-out questions per primitive task (and memorization questions)
+    "score_examples": 500,       # primitive_scores: held-out questions per task (teacher-forced, cheap)
     "seed": 0,                   # the examples are a pure function of (task, seed, index)
     "tasks": None,               # primitive tasks to run (None: all of primitives.TASKS)
     "batch_size": 32,            # decoding rows per forward pass

@@ -4,13 +4,38 @@ They sit here rather than in configs.py so that configs.py imports nothing of th
 operators and schedules import configs). `validate` runs where a run starts: when gin builds the
 RunConfig (gin_config.run_config_from_gin) and when the stage controller takes a config from Python,
 so a bad stacking setting stops a run before anything is compiled.
+
+A setting that is legal but almost surely not meant (a warmup longer than the first stage, which
+trains the first, shallowest model below the peak rate throughout) is warned about, not refused:
+`ScheduleWarning`, once per distinct message; `-W error::midas_jax.stacking.checks.ScheduleWarning`
+turns it into an error.
 """
 
 from __future__ import annotations
 
+import warnings
+from typing import Optional, Sequence
+
 from midas_jax.configs import RunConfig
 from midas_jax.errors import require
 from midas_jax.stacking import operators, schedule
+
+
+class ScheduleWarning(UserWarning):
+  """A stacking schedule that runs, but likely not as intended."""
+
+
+def warmup_problem(config: RunConfig, stage_steps: Sequence[int], first_depth: int) -> Optional[str]:
+  """Why the warmup and the first stage clash (None if they do not): the message ScheduleWarning gives."""
+  warmup = config.optimizer.warmup_steps
+  if warmup <= stage_steps[0]:
+    return None
+  return (f"OptimizerConfig.warmup_steps={warmup} is longer than the first stage "
+          f"({stage_steps[0]} of TrainerConfig.num_steps={config.trainer.num_steps}; stage steps "
+          f"{tuple(stage_steps)}), so the {first_depth}-layer "
+          f"first stage never trains at the peak learning rate (it ends at {stage_steps[0] / warmup:.0%} of it). "
+          f"Lower OptimizerConfig.warmup_steps to at most {stage_steps[0]}, or lengthen the first stage "
+          "(StackingConfig.stage_steps or alpha).")
 
 
 def validate(config: RunConfig) -> RunConfig:
@@ -44,8 +69,11 @@ def validate(config: RunConfig) -> RunConfig:
           f"{depths[-1]} (stage depths {depths}), not ModelConfig.num_layers={layers}",
           f"for one block per stage make (num_stages + start_blocks - 1) * block_size = num_layers "
           f"(e.g. num_stages={layers // b - st.start_blocks + 1})")
+  steps = st.stage_steps or schedule.prop_alpha_steps(num_steps, k, st.alpha, st.start_blocks)
+  problem = warmup_problem(config, steps, depths[0])
+  if problem:
+    warnings.warn(problem, ScheduleWarning, stacklevel=2)
   if st.lr_schedule == "rewarm":
-    steps = st.stage_steps or schedule.prop_alpha_steps(num_steps, k, st.alpha, st.start_blocks)
     rewarm = st.resolved_rewarm_steps(config.optimizer.warmup_steps)
     short = [i + 1 for i, t in enumerate(steps) if i > 0 and t < rewarm]
     require(not short, s + "rewarm_steps",

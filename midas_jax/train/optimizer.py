@@ -9,8 +9,18 @@ import jax.numpy as jnp
 import optax
 
 from midas_jax.configs import OptimizerConfig
+from midas_jax.errors import require
 
 EMBEDDING_PARAMS = ("embedding", "position_embedding")
+
+
+def wsd_decay_steps(cfg: OptimizerConfig, num_steps: int) -> int:
+  """Steps of the final decay of a warmup-stable-decay schedule; they must not overlap the warmup."""
+  decay_steps = max(int(round(cfg.decay_fraction * num_steps)), 1)
+  require(cfg.warmup_steps + decay_steps <= num_steps, "OptimizerConfig.decay_fraction",
+          f"warmup ({cfg.warmup_steps} steps) and the wsd decay ({decay_steps} = {cfg.decay_fraction} x "
+          f"{num_steps} steps) overlap", "lower OptimizerConfig.warmup_steps or decay_fraction, or train longer")
+  return decay_steps
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, num_steps: int) -> optax.Schedule:
@@ -18,7 +28,12 @@ def learning_rate_schedule(cfg: OptimizerConfig, num_steps: int) -> optax.Schedu
   peak, warmup = cfg.learning_rate, cfg.warmup_steps
   decay_steps = max(num_steps - warmup, 1)
   final = peak * cfg.final_lr_fraction
-  if cfg.decay == "cosine":
+  if cfg.decay == "wsd":
+    tail = wsd_decay_steps(cfg, num_steps)
+    stable = optax.constant_schedule(peak)
+    decay = optax.join_schedules([stable, optax.linear_schedule(peak, final, tail)],
+                                 [num_steps - tail - warmup])
+  elif cfg.decay == "cosine":
     decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.final_lr_fraction)
   elif cfg.decay == "linear":
     decay = optax.linear_schedule(peak, final, decay_steps)
