@@ -122,3 +122,14 @@ def _clear_gin_bindings():
   yield
   import gin  # pylint: disable=import-outside-toplevel
   gin.clear_config()
+
+
+# The longest test files start first, so that the two workers (pytest.ini: -n 2 --dist loadfile)
+# do not end with one of them running a long file alone. Order within a file is kept.
+LONGEST_FIRST = ("test_kill_resume.py", "test_notebook.py", "test_multihost.py", "test_gcs.py", "test_pod.py",
+                 "test_evals_cli.py", "test_stacking_train.py", "test_convert.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
