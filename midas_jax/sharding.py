@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional, Sequence, Tuple
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from midas_jax.configs import MeshConfig, ModelConfig
@@ -24,35 +25,92 @@ MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 
-def resolve_mesh_shape(cfg: MeshConfig, num_devices: int) -> Tuple[int, int, int]:
+def resolve_slice_shape(cfg: MeshConfig, num_devices: int) -> Tuple[int, int, int]:
+  """(data, fsdp, tensor) within one slice of num_devices / (dcn_data * dcn_fsdp) devices."""
+  slices = cfg.num_slices
+  require(num_devices % slices == 0, "MeshConfig.dcn_data",
+          f"{num_devices} devices do not split into dcn_data x dcn_fsdp = {slices} slices",
+          "set dcn_data x dcn_fsdp to the number of slices")
+  per_slice = num_devices // slices
   sizes = [cfg.data, cfg.fsdp, cfg.tensor]
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
-    require(num_devices % known == 0, "MeshConfig", f"the fixed axis sizes (product {known}) do not divide the "
-            f"{num_devices} available devices", "choose axis sizes whose product divides the device count")
-    sizes[sizes.index(-1)] = num_devices // known
+    require(per_slice % known == 0, "MeshConfig", f"the fixed axis sizes (product {known}) do not divide the "
+            f"{per_slice} devices of a slice", "choose axis sizes whose product divides the device count")
+    sizes[sizes.index(-1)] = per_slice // known
   shape = tuple(sizes)
-  if math.prod(shape) != num_devices:
+  if math.prod(shape) != per_slice:
+    where = f"each of {slices} slices has {per_slice}" if slices > 1 else f"{per_slice} are available"
     raise ConfigError("MeshConfig", f"mesh data={shape[0]} x fsdp={shape[1]} x tensor={shape[2]} needs "
-                      f"{math.prod(shape)} devices but {num_devices} are available",
+                      f"{math.prod(shape)} devices but {where}",
                       "make the product of the axis sizes equal the device count, or set one axis to -1")
   return shape
 
 
+def dcn_shape(cfg: MeshConfig) -> Tuple[int, int, int]:
+  return (cfg.dcn_data, cfg.dcn_fsdp, 1)
+
+
+def resolve_mesh_shape(cfg: MeshConfig, num_devices: int) -> Tuple[int, int, int]:
+  """The whole mesh: each axis its size within a slice times its size across slices."""
+  return tuple(i * d for i, d in zip(resolve_slice_shape(cfg, num_devices), dcn_shape(cfg)))
+
+
 def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh with Auto axis types (GSPMD-style sharding constraints work)."""
+  """A (data, fsdp, tensor) mesh with Auto axis types (GSPMD-style sharding constraints work).
+
+  Device order follows the hardware: on TPU, mesh_utils maps the axes onto the torus so that
+  neighbours along an axis are neighbours on the interconnect; across slices (dcn_data, dcn_fsdp > 1)
+  each slice is one block of the data or fsdp axis, so only those axes' collectives cross DCN.
+  """
   devices = list(jax.devices() if devices is None else devices)
-  shape = resolve_mesh_shape(cfg, len(devices))
-  return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+  ici = resolve_slice_shape(cfg, len(devices))
+  slices = _slices(devices, cfg.num_slices)
+  if len(slices) == 1:
+    return Mesh(_device_grid(ici, slices[0]), MESH_AXES)
+  dcn = dcn_shape(cfg)
+  grids = np.empty(dcn, dtype=object)
+  for index, members in zip(np.ndindex(*dcn), slices):
+    grids[index] = _device_grid(ici, members)
+  return Mesh(np.block(grids.tolist()), MESH_AXES)
 
 
-def check_divisibility(model: ModelConfig, mesh: Mesh, global_batch: int) -> None:
+def _device_grid(shape: Tuple[int, int, int], devices: Sequence[jax.Device]) -> np.ndarray:
+  try:
+    return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+  except (ValueError, NotImplementedError) as e:
+    raise ConfigError("MeshConfig", f"data x fsdp x tensor = {shape} cannot be laid onto these devices' "
+                      f"interconnect ({str(e).splitlines()[0]})", "choose axis sizes that tile the slice") from e
+
+
+def _slices(devices: Sequence[jax.Device], count: int) -> list:
+  """The devices of each slice, by slice_index; where devices carry none (CPU, one GPU node),
+  consecutive runs of devices stand in for slices, so multi-slice meshes can be rehearsed."""
+  by_slice: dict = {}
+  for d in devices:
+    by_slice.setdefault(getattr(d, "slice_index", 0), []).append(d)
+  if len(by_slice) == count:
+    slices = [by_slice[k] for k in sorted(by_slice)]
+    require(len({len(s) for s in slices}) == 1, "MeshConfig.dcn_data", "the slices have different numbers of "
+            f"devices ({', '.join(str(len(s)) for s in slices)})", "use every device of each slice")
+    return slices
+  require(len(by_slice) == 1, "MeshConfig.dcn_data", f"the devices form {len(by_slice)} slices, but "
+          f"dcn_data x dcn_fsdp = {count}", "set dcn_data x dcn_fsdp to the number of slices")
+  per = len(devices) // count
+  return [devices[i * per:(i + 1) * per] for i in range(count)]
+
+
+def check_divisibility(model: ModelConfig, mesh: Mesh, global_batch: int, microbatches: int = 1) -> None:
   """Every sharded dimension must divide by its mesh axes; say which setting to change if not."""
   sizes = dict(mesh.shape)
   batch_shards = sizes["data"] * sizes["fsdp"]
   require(global_batch % batch_shards == 0, "DataConfig.batch_size",
           f"global batch {global_batch} is not divisible by data x fsdp = {batch_shards}",
           f"use a batch size that is a multiple of {batch_shards}")
+  require(global_batch % (batch_shards * microbatches) == 0, "TrainerConfig.microbatches",
+          f"global batch {global_batch} does not split into {microbatches} microbatches over data x fsdp = "
+          f"{batch_shards} devices ({global_batch // batch_shards} rows per device)",
+          f"choose microbatches that divide {global_batch // batch_shards}, or raise DataConfig.batch_size")
   tensor = sizes["tensor"]
   for name, value in (("num_heads", model.num_heads), ("num_kv_heads", model.kv_heads),
                       ("d_ff", model.d_ff), ("vocab_size", model.vocab_size)):

@@ -39,13 +39,40 @@ def tiny_run(model=None, mesh=None, optimizer=None, data=None, trainer=None) -> 
 
 # tests/test_kill_resume.py kills runs at random times drawn from this seed: a fresh one every
 # session, so CI explores new kill points; the report header prints it, and MIDAS_KILL_SEED=<seed>
-# replays a failure's kills (the same trigger lines and delays).
-KILL_SEED = int(os.environ.get("MIDAS_KILL_SEED") or random.SystemRandom().randrange(2 ** 31))
+# replays a failure's kills (the same trigger lines and delays). Drawn once by the pytest process
+# and put in the environment, so that its worker processes (pytest-xdist) kill with the same seed.
+os.environ.setdefault("MIDAS_KILL_SEED", str(random.SystemRandom().randrange(2 ** 31)))
+KILL_SEED = int(os.environ["MIDAS_KILL_SEED"])
 
 
 def pytest_report_header(config):
   del config
   return f"kill seed: {KILL_SEED} (replay the random SIGKILLs with MIDAS_KILL_SEED={KILL_SEED})"
+
+
+def ul2_rows(seed: int, num_rows: int, seq_len: int, vocab_size: int = 300):
+  """Packed rows in which every row holds a causal, a prefix-LM and a span-corruption example of
+  random lengths, then padding: the batch format of the pipeline, mixed within each row."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from midas_jax.data import objectives, packing  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  special = objectives.special_tokens(vocab_size, extra_ids=128)
+  denoisers = [objectives.Denoiser("causal", "causal"), objectives.Denoiser("prefix", "prefix", noise_density=0.5),
+               objectives.Denoiser("span", "span")]
+  rows = []
+  for _ in range(num_rows):
+    budget = seq_len - rng.integers(1, seq_len // 6)  # leave some padding at the end
+    cuts = np.sort(rng.choice(np.arange(6, budget - 6), 2, replace=False))
+    sizes = np.diff([0, *cuts, budget])
+    order = rng.permutation(3)
+    examples = [objectives.make_example(rng.integers(3, vocab_size - 128, n), denoisers[k], rng, special)
+                for k, n in zip(order, sizes)]
+    # span corruption adds sentinels: trim the last example until the padding is back
+    while sum(len(e.tokens) for e in examples) > budget:
+      last = examples[-1]
+      examples[-1] = packing.Example(last.tokens[:-1], min(last.prefix_len, len(last.tokens) - 2), last.objective_id)
+    rows.append(packing.pack_row(examples, seq_len))
+  return packing.stack_rows(rows)
 
 
 def replace(cfg, **kw):
@@ -95,3 +122,14 @@ def _clear_gin_bindings():
   yield
   import gin  # pylint: disable=import-outside-toplevel
   gin.clear_config()
+
+
+# The longest test files start first, so that the two workers (pytest.ini: -n 2 --dist loadfile)
+# do not end with one of them running a long file alone. Order within a file is kept.
+LONGEST_FIRST = ("test_kill_resume.py", "test_notebook.py", "test_multihost.py", "test_gcs.py", "test_pod.py",
+                 "test_evals_cli.py", "test_stacking_train.py", "test_convert.py")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

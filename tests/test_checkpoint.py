@@ -38,8 +38,13 @@ def stacked_run(**overrides):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  """One uninterrupted run: (config, workdir)."""
-  config = stacked_run()
+  """One uninterrupted run: (config, workdir). It accumulates gradients over 2 microbatches (16 rows
+  on 8 devices: one row per device each) and takes the loss in 2 chunks of 16 positions, so every
+  resume below also shows both exact through growth."""
+  config = stacked_run(data=configs.DataConfig(seq_len=32, batch_size=16),
+                       trainer=configs.TrainerConfig(num_steps=8, log_every=1, eval_every=4, eval_batches=1,
+                                                     progress_bar=False, peak_flops_per_device=1e11,
+                                                     microbatches=2, loss_chunk=16))
   workdir = str(tmp_path_factory.mktemp("reference"))
   loop.train(config, workdir)
   return config, workdir
@@ -117,9 +122,10 @@ def test_a_different_config_is_refused_with_its_differences_unless_allowed(refer
   message = str(err.value)
   assert "optimizer.learning_rate: 0.003 -> 0.001" in message and "model.d_ff: 64 -> 96" in message
   assert "--allow_config_changes=model.d_ff,optimizer.learning_rate" in message
-  lr_only = dataclasses.replace(config, optimizer=changed.optimizer,
-                                mesh=configs.MeshConfig(data=2, fsdp=4),  # operational: always allowed
-                                trainer=dataclasses.replace(config.trainer, log_every=2))
+  # Operational changes are always allowed: the mesh, logging, how a step is computed.
+  lr_only = dataclasses.replace(config, optimizer=changed.optimizer, mesh=configs.MeshConfig(data=2, fsdp=4),
+                                model=dataclasses.replace(config.model, attention="dot_product"),
+                                trainer=dataclasses.replace(config.trainer, log_every=2, microbatches=1, loss_chunk=0))
   result = loop.train(lr_only, workdir, allow_config_changes=["optimizer.learning_rate"])
   assert result.start_step == 4 and result.steps == 8
 
@@ -196,7 +202,7 @@ def test_params_only_export_loads_without_the_optimizer(reference, tmp_path):
 def test_init_from_an_export_starts_a_new_run_from_its_parameters(reference, tmp_path):
   config, ref_dir = reference
   out = export_params(ref_dir, str(tmp_path / "export"))
-  flat = stacked_run(stacking=configs.StackingConfig(),
+  flat = stacked_run(stacking=configs.StackingConfig(), data=config.data,
                      trainer=dataclasses.replace(config.trainer, num_steps=2, eval_every=0))
   scratch = loop.train(flat, str(tmp_path / "scratch"))
   warm = loop.train(dataclasses.replace(flat, checkpoint=configs.CheckpointConfig(init_from=out)),

@@ -10,7 +10,8 @@ import pytest
 
 from conftest import REPO_ROOT, tiny_model, tiny_run
 from midas_jax import cli, configs, flops, gin_config
-from midas_jax.bench import compile_bench
+from midas_jax.bench import compile_bench, compile_table, memory_model
+from midas_jax.errors import ConfigError
 
 
 def _fsdp_run(batch_size, **model):
@@ -46,10 +47,36 @@ def test_tpu_slices_are_named_as_gcloud_names_them():
     target = compile_bench.parse_target(name)
     assert (target.num_devices, target.topology) == (devices, topology), name
   assert compile_bench.parse_target("gpu-8").num_devices == 8
+  two = compile_bench.parse_target("2xv5p-128")
+  assert (two.num_devices, two.num_slices, two.topology) == (128, 2, "v5:4x4x4")
+
+
+def test_flash_chunked_loss_and_microbatches_shrink_the_estimate():
+  model = tiny_model(num_layers=8, d_model=256, num_heads=4, d_ff=512, vocab_size=4096, max_seq_len=1024)
+  dense = memory_model.activation_bytes(model, rows=4, seq_len=1024)
+  flash = memory_model.activation_bytes(model, rows=4, seq_len=1024, attention="flash", loss_chunk=256)
+  assert flash["working"] < dense["working"] / 3  # no [rows, heads, T, T] scores
+  assert flash["logits"] == dense["logits"] // 4  # one chunk of 256 of the 1024 positions
+  config = tiny_run(model=model, mesh=configs.MeshConfig(data=1, fsdp=-1),
+                    data=configs.DataConfig(seq_len=256, batch_size=32),
+                    trainer=configs.TrainerConfig(microbatches=4))
+  whole = compile_bench.run(dataclasses.replace(config, trainer=configs.TrainerConfig()), "v5p-16", "analytic")
+  micro = compile_bench.run(config, "v5p-16", "analytic")
+  assert micro["model"]["attention"] == "flash"  # 'auto' on a TPU slice, even from this CPU host
+  assert micro["analytic"]["activations"] < whole["analytic"]["activations"] / 3
+  assert micro["analytic"]["gradients"] == 2 * whole["analytic"]["gradients"]  # the float32 gradient sum
+  assert "in 4 microbatches" in compile_bench.format_report(micro)
+  with pytest.raises(ConfigError, match="dcn_data"):
+    compile_bench.run(config, "2xv5p-16", "analytic")  # a 2-slice target needs a 2-slice mesh
+  # The docs table: a row per `after` report, its `before` matched by model, target and batch shape.
+  refused = dict(whole, fits=False, method="compiled", compile_error="RESOURCE_EXHAUSTED: Ran out of memory on HBM, "
+                 "the total memory required for HLO temporaries (31.96G) exceeds available HBM (30.75G).")
+  table = compile_table.table([micro], [refused])
+  assert "| 4 | flash | refused: temporaries 31.96G > 30.75G | **no** |" in table and table.count("\n") == 2
 
 
 def test_analytic_estimate_for_a_tpu_slice():
-  config = _fsdp_run(64)
+  config = _fsdp_run(64, attention="flash")  # 'auto' would pick dot_product for this CPU host's devices
   report = compile_bench.run(config, topology="v5p-16", method="analytic")
   assert report["method"] == "analytic" and report["devices"] == 8 and report["mesh"]["fsdp"] == 8
   local = compile_bench.run(config, method="analytic")  # the same mesh shape on the simulated devices
@@ -65,8 +92,8 @@ def test_analytic_estimate_for_a_tpu_slice():
 
 def test_remat_policies_order_the_activation_estimate():
   model = tiny_model(num_layers=8, d_model=64, d_ff=128, vocab_size=512)
-  saved = {policy: compile_bench.activation_bytes(dataclasses.replace(model, remat_policy=policy),
-                                                  rows=4, seq_len=256)["saved"]
+  saved = {policy: memory_model.activation_bytes(dataclasses.replace(model, remat_policy=policy),
+                                                 rows=4, seq_len=256)["saved"]
            for policy in ("none", "save_dots", "minimal", "full")}
   assert saved["none"] > saved["save_dots"] > saved["minimal"] > saved["full"]
   assert saved["full"] == 8 * 4 * 256 * 64 * 4  # one float32 layer input per layer

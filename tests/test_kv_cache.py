@@ -1,6 +1,7 @@
 """Decoding with a key/value cache: the same tokens as a full forward pass per token, and the same
 logits as the training mask gives (a bidirectional prefix included), for every model layout."""
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -84,8 +85,11 @@ def test_cache_logits_equal_the_training_mask():
                  prefix_mask=positions < prefixes[:, None])
     return Decoder(cfg).apply({"params": params}, batch)[jnp.arange(2), valid - 1]
 
-  logits, cache = jax.jit(lambda *a: kv_cache.prefill(params, cfg, *a))(tokens, lengths, prefixes)
-  step = jax.jit(lambda cache, nxt, at: kv_cache.step(params, cfg, cache, nxt, at))
+  # The cached side runs the prefill through the flash kernel (interpreted here), as 'auto' does on
+  # TPU and GPU; a decoding step attends densely (model/attention.py).
+  fused = dataclasses.replace(cfg, attention="flash")
+  logits, cache = jax.jit(lambda *a: kv_cache.prefill(params, fused, *a))(tokens, lengths, prefixes)
+  step = jax.jit(lambda cache, nxt, at: kv_cache.step(params, fused, cache, nxt, at))
   for i in range(3):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full(tokens, lengths + i)), atol=2e-5)
     nxt = np.asarray(logits).argmax(-1).astype(np.int32)

@@ -11,7 +11,7 @@ import pytest
 from conftest import tiny_model, tiny_run
 from midas_jax import configs
 from midas_jax.errors import ConfigError
-from midas_jax.model import Decoder, dummy_batch, looping, make_attention_mask
+from midas_jax.model import Decoder, describe_mask, dummy_batch, looping
 from midas_jax.model.layers import Block, Norm
 from midas_jax.train import loop
 from midas_jax.train.metrics import read_metrics
@@ -25,7 +25,7 @@ def test_loop_order_and_middle_block():
 
 
 def _per_layer_forward(cfg, params, batch, order):
-  mask = make_attention_mask(batch["segment_ids"], batch["positions"], batch["prefix_mask"])
+  mask = describe_mask(batch["segment_ids"], batch["positions"], batch["prefix_mask"])
   x = Decoder(cfg).apply({"params": params}, batch["inputs"], batch["positions"], method=Decoder.embed)
   for i in order:
     x, _ = Block(cfg).apply({"params": jax.tree.map(lambda p: p[i], params["layers"])}, x, batch["positions"], mask)

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import tiny_model
 from midas_jax.data.packing import Example, pack_row, stack_rows
-from midas_jax.model import Decoder, dummy_batch, make_attention_mask
+from midas_jax.model import Decoder, describe_mask, dummy_batch, make_attention_mask
 from midas_jax.model.layers import Block, Norm
 
 LOGICAL = {"batch", "length", "embed", "heads", "kv", "mlp", "vocab", "layers"}
@@ -113,7 +113,7 @@ def test_scanned_forward_equals_per_layer_forward():
   batch = dummy_batch(2, 16)
   batch["inputs"] = jax.random.randint(jax.random.key(1), (2, 16), 3, 250)
   expected = model.apply(variables, batch)
-  mask = make_attention_mask(batch["segment_ids"], batch["positions"], batch["prefix_mask"])
+  mask = describe_mask(batch["segment_ids"], batch["positions"], batch["prefix_mask"])
   x = model.apply(variables, batch["inputs"], batch["positions"], method=Decoder.embed)
   for i in range(cfg.num_layers):
     layer = jax.tree.map(lambda p: p[i], params["layers"])

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import tiny_model, tiny_run
 from midas_jax import configs, sharding
 from midas_jax.errors import ConfigError
-from midas_jax.model import Decoder, dummy_batch, make_attention_mask
+from midas_jax.model import Decoder, describe_mask, dummy_batch
 from midas_jax.model.layers import Block, Norm
 from midas_jax.stacking.grow import grow_tree, layers_axis, make_grower
 from midas_jax.train.experiment import build_experiment
@@ -150,7 +150,7 @@ def test_grown_forward_equals_per_layer_forward_with_gathered_weights(run):
 
   @jax.jit
   def per_layer(old, batch):
-    mask = make_attention_mask(batch["segment_ids"], batch["positions"], batch["prefix_mask"])
+    mask = describe_mask(batch["segment_ids"], batch["positions"], batch["prefix_mask"])
     x = Decoder(cfg).apply({"params": old}, batch["inputs"], batch["positions"], method=Decoder.embed)
     for source in PROV:
       layer = jax.tree.map(lambda p: p[source], old["layers"])

@@ -11,7 +11,8 @@ Three ways to answer, each labelled in the report:
     parameter and optimizer bytes from the shardings (exact), activations from a formula that
     follows the model's tensors and the remat policy (an estimate).
 Parameter and optimizer bytes always come from the shardings, so the three agree on those; the
-compiled paths also check them against XLA's argument size.
+compiled paths also check them against XLA's argument size. ModelConfig.attention = 'auto' is
+resolved for the target's platform (flash on a TPU slice even when compiled from a CPU host).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
 from midas_jax import flops, sharding
-from midas_jax.configs import ModelConfig, RunConfig
+from midas_jax.bench import memory_model
+from midas_jax.configs import RunConfig
 from midas_jax.errors import ConfigError, require
 from midas_jax.model import dummy_batch
 from midas_jax.train.experiment import Experiment, model_and_layout
@@ -36,6 +38,8 @@ from midas_jax.train.state import StateLayout
 GIB = 1024 ** 3
 # Per-device memory (bytes) of the accelerators the mesh files in gin/meshes/ target.
 HBM_BYTES = {"v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "gpu": 80 * 10 ** 9}
+# Custom-call targets of Pallas kernels (Mosaic on TPU, Triton on GPU).
+KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
 TPU_GENERATIONS = {"v4": ("v4", "megacore", 2), "v5p": ("v5", "megacore", 2),
                    "v5e": ("v5e", "default", 1), "v5litepod": ("v5e", "default", 1)}
 
@@ -46,10 +50,11 @@ class Target:
 
   name: str
   platform: str
-  num_devices: int
+  num_devices: int  # all slices together
   hbm_bytes: Optional[int] = None
-  topology: Optional[str] = None  # jax's topology name, e.g. "v5:4x4x4"
+  topology: Optional[str] = None  # jax's topology name of one slice, e.g. "v5:4x4x4"
   chip_config: Optional[str] = None
+  num_slices: int = 1
 
 
 def _torus_shape(chips: int, dims: int) -> Tuple[int, ...]:
@@ -65,15 +70,18 @@ def _torus_shape(chips: int, dims: int) -> Tuple[int, ...]:
 
 def parse_target(name: Optional[str]) -> Target:
   """None: this machine's devices. `v4-64`, `v5litepod-64` (or `v5e-64`), `v5p-128`: a TPU slice
-  named as gcloud names it (v4 and v5p count TensorCores, two per chip; v5e counts chips).
+  named as gcloud names it (v4 and v5p count TensorCores, two per chip; v5e counts chips);
+  `2xv5p-128`: two such slices joined by the data-center network (multi-slice).
   `gpu-8`: N GPUs of 80 GB (analytic only)."""
   if name is None:
     return Target("local", "local", len(jax.devices()))
-  m = re.fullmatch(r"(v4|v5p|v5e|v5litepod|gpu)-(\d+)", name.strip().lower())
-  if not m:
+  m = re.fullmatch(r"(?:(\d+)x)?(v4|v5p|v5e|v5litepod|gpu)-(\d+)", name.strip().lower())
+  if not m or (m.group(1) and m.group(2) == "gpu"):
     raise ConfigError("--topology", f"unknown topology {name!r}",
-                      "use a TPU slice such as v4-64, v5litepod-64, v5p-128, or gpu-N (e.g. gpu-8)")
-  kind, count = m.group(1), int(m.group(2))
+                      "use a TPU slice such as v4-64, v5litepod-64, v5p-128, several slices such as "
+                      "2xv5p-128, or gpu-N (e.g. gpu-8)")
+  slices, kind, count = int(m.group(1) or 1), m.group(2), int(m.group(3))
+  require(slices >= 1, "--topology", "needs at least one slice", "e.g. --topology=2xv5p-128")
   if kind == "gpu":
     require(count >= 1, "--topology", "needs at least one GPU", "e.g. --topology=gpu-8")
     return Target(name, "gpu", count, HBM_BYTES["gpu"])
@@ -83,7 +91,8 @@ def parse_target(name: Optional[str]) -> Target:
   chips = count // cores_per_chip
   shape = _torus_shape(chips, 2 if prefix == "v5e" else 3)
   generation = "v5e" if prefix == "v5e" else kind
-  return Target(name, "tpu", chips, HBM_BYTES[generation], f"{prefix}:{'x'.join(map(str, shape))}", chip_config)
+  return Target(name, "tpu", chips * slices, HBM_BYTES[generation], f"{prefix}:{'x'.join(map(str, shape))}",
+                chip_config, slices)
 
 
 def tpu_devices(target: Target) -> Tuple[Optional[List[Any]], str]:
@@ -94,7 +103,7 @@ def tpu_devices(target: Target) -> Tuple[Optional[List[Any]], str]:
   try:
     desc = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
                                         chip_config_name=target.chip_config, chips_per_host_bounds=per_host,
-                                        num_slices=1)
+                                        num_slices=target.num_slices)
   except Exception as e:  # pylint: disable=broad-except
     return None, f"jax cannot describe a TPU slice on this machine ({str(e).splitlines()[0]})"
   return list(desc.devices), ""
@@ -108,11 +117,15 @@ def vocab_size_of(config: RunConfig) -> int:
   return config.model.with_vocab(make_vocabulary(config.data).vocab_size).vocab_size
 
 
-def _parts(config: RunConfig, mesh, num_layers: Optional[int] = None):
+def _parts(config: RunConfig, mesh, num_layers: Optional[int] = None, platform: Optional[str] = None):
   model_config = dataclasses.replace(config.model, vocab_size=vocab_size_of(config))
   if num_layers is not None:
     model_config = dataclasses.replace(model_config, num_layers=num_layers)
-  return (model_config,) + model_and_layout(config, mesh, model_config)
+  return (model_config,) + model_and_layout(config, mesh, model_config, platform)
+
+
+def _platform(target: Target) -> str:
+  return jax.default_backend() if target.platform == "local" else target.platform
 
 
 def _leaf_bytes(abstract, shardings) -> int:
@@ -125,38 +138,6 @@ def state_bytes(layout: StateLayout) -> Dict[str, int]:
   return {"params": _leaf_bytes(layout.abstract.params, layout.shardings.params),
           "optimizer": _leaf_bytes((layout.abstract.opt_state, layout.abstract.step),
                                    (layout.shardings.opt_state, layout.shardings.step))}
-
-
-def _local(value: int, ways: int) -> int:
-  return value // ways if value % ways == 0 else value
-
-
-def activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, tensor: int = 1,
-                     num_layers: Optional[int] = None) -> Dict[str, int]:
-  """Analytic activation memory of one device's backward pass, by part.
-
-  rows: the rows of the global batch this device holds. `saved` is what the forward keeps for the
-  backward pass, per layer, under the remat policy (all layers together); `working` is one layer's
-  full set while its gradient is taken (recomputed under remat), attention scores included, since
-  jax.nn.dot_product_attention's XLA path materializes them ([rows, heads, T, T]); `logits` are the
-  float32 logits, their softmax and their gradient.
-  """
-  layers = cfg.num_layers if num_layers is None else num_layers
-  c = jnp.dtype(cfg.dtype).itemsize
-  b, t, d, hd = rows, seq_len, cfg.d_model, cfg.resolved_head_dim
-  h, kv = _local(cfg.num_heads, tensor), _local(cfg.kv_heads, tensor)
-  f, v = _local(cfg.d_ff, tensor), _local(cfg.vocab_size, tensor)
-  mlp = 3 * f if cfg.family == "llama" else 2 * f  # gate, up, their product (llama); fc, gelu (gpt2)
-  tokens = b * t
-  everything = tokens * c * (4 * d + (2 * h + 2 * kv) * hd + h * hd + mlp) + b * h * t * t * c
-  matmul_outputs = tokens * c * (3 * d + (h + 2 * kv) * hd + (2 * f if cfg.family == "llama" else f))
-  per_layer = {"none": everything,
-               "minimal": matmul_outputs,
-               "save_dots": matmul_outputs + b * h * t * t * 4 + tokens * h * hd * c,
-               "full": tokens * d * c}[cfg.remat_policy]
-  return {"saved": layers * per_layer,
-          "working": everything + b * h * t * t * 4 * 2,  # + float32 scores and their softmax
-          "logits": 3 * tokens * v * 4}
 
 
 def _batch_spec(config: RunConfig, mesh) -> Dict[str, jax.ShapeDtypeStruct]:
@@ -184,16 +165,20 @@ def compile_train_step(config: RunConfig, devices: Sequence[Any]) -> Dict[str, i
   stats = compiled.memory_analysis()
   names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
            "generated_code_size_in_bytes")
-  return {n.replace("_size_in_bytes", ""): int(getattr(stats, n)) for n in names}
+  memory = {n.replace("_size_in_bytes", ""): int(getattr(stats, n)) for n in names}
+  # Proof the fused attention made it into the program: its Pallas kernels are custom calls.
+  text = compiled.as_text() or ""
+  memory["kernel_calls"] = sum(text.count(f"custom_call_target=\"{t}\"") for t in KERNEL_TARGETS)
+  return memory
 
 
-def _growth_peak(config: RunConfig, mesh, final_state: Dict[str, int]) -> Optional[int]:
+def _growth_peak(config: RunConfig, mesh, final_state: Dict[str, int], platform: str) -> Optional[int]:
   """State bytes while the last growth runs: the old and the new layers' state side by side."""
   stacking = config.stacking
   if stacking.num_stages == 1:
     return None
   block = stacking.resolved_block_size(config.model.num_layers)
-  before = sum(state_bytes(_parts(config, mesh, config.model.num_layers - block)[-1]).values())
+  before = sum(state_bytes(_parts(config, mesh, config.model.num_layers - block, platform)[-1]).values())
   after = sum(final_state.values())
   per_layer = (after - before) / block
   shared = after - per_layer * config.model.num_layers  # embeddings, final norm, step count
@@ -206,28 +191,38 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
   require(method in ("auto", "compile", "analytic"), "--method", f"unknown method {method!r}",
           "use auto, compile or analytic")
   target = parse_target(topology)
+  require(target.num_slices == config.mesh.num_slices, "MeshConfig.dcn_data",
+          f"{target.name} has {target.num_slices} slice(s) but the mesh spans dcn_data x dcn_fsdp = "
+          f"{config.mesh.num_slices}", "use a mesh file for that many slices (e.g. gin/meshes/tpu_2x_v5p_128.gin)")
   shape = sharding.resolve_mesh_shape(config.mesh, target.num_devices)
   abstract_mesh = AbstractMesh(shape, sharding.MESH_AXES)
-  model_config, _, _, _, _, layout = _parts(config, abstract_mesh)
+  platform = _platform(target)
+  model_config, model, _, _, _, layout = _parts(config, abstract_mesh, platform=platform)
   states = state_bytes(layout)
+  trainer = config.trainer
   rows = config.data.batch_size // (shape[0] * shape[1])
-  act = activation_bytes(model_config, rows, config.data.seq_len, tensor=shape[2])
+  micro_rows = rows // trainer.microbatches
+  kernel = model.cfg.attention
+  act = memory_model.activation_bytes(model_config, micro_rows, config.data.seq_len, tensor=shape[2],
+                                      attention=kernel, loss_chunk=trainer.loss_chunk)
   # fsdp gathers each layer's weights (in the compute dtype) before use; two layers are in flight.
   layer_params = flops.param_counts(model_config)["per_layer"]
   gathered = 2 * layer_params * jnp.dtype(model_config.dtype).itemsize // shape[2] if shape[1] > 1 else 0
-  analytic = dict(states, gradients=states["params"], gathered_weights=gathered,
-                  activations=sum(act.values()))
+  # Accumulating over microbatches keeps a float32 gradient sum beside each microbatch's gradient.
+  gradients = states["params"] * (2 if trainer.microbatches > 1 else 1)
+  analytic = dict(states, gradients=gradients, gathered_weights=gathered, activations=sum(act.values()))
   analytic["total"] = sum(analytic.values())
   report: Dict[str, Any] = {
       "target": target.name, "platform": target.platform, "devices": target.num_devices,
       "mesh": dict(zip(sharding.MESH_AXES, shape)),
       "model": {"params": flops.param_counts(model_config)["total"], "layers": model_config.num_layers,
                 "d_model": model_config.d_model, "remat_policy": model_config.remat_policy,
-                "dtype": model_config.dtype, "param_dtype": model_config.param_dtype},
+                "dtype": model_config.dtype, "param_dtype": model_config.param_dtype, "attention": kernel},
       "batch": {"global": config.data.batch_size, "rows_per_device": rows, "seq_len": config.data.seq_len,
-                "bytes_per_device": batch_bytes(config, rows)},
+                "bytes_per_device": batch_bytes(config, rows), "microbatches": trainer.microbatches,
+                "loss_chunk": trainer.loss_chunk},
       "analytic": analytic, "activation_parts": act,
-      "growth_peak_state": _growth_peak(config, abstract_mesh, states),
+      "growth_peak_state": _growth_peak(config, abstract_mesh, states, platform),
       "hbm": int(hbm_gib * GIB) if hbm_gib else target.hbm_bytes,
   }
   devices, why = None, ""
@@ -252,7 +247,8 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
       report.update(compiled=None, compile_error=str(e).splitlines()[0], total=analytic["total"], fits=False)
-      report["max_global_batch"] = _max_global_batch(analytic, rows, report["hbm"], shape)
+      report["max_global_batch"] = memory_model.max_global_batch(analytic, micro_rows, report["hbm"],
+                                                                 shape[0] * shape[1], trainer.microbatches)
       return report
     memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     report.update(compiled=memory, total=memory["peak"])
@@ -261,18 +257,9 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
     report["total"] = analytic["total"]
   hbm = report["hbm"]
   report["fits"] = None if hbm is None else bool(report["total"] <= hbm)
-  report["max_global_batch"] = _max_global_batch(analytic, rows, hbm, shape)
+  report["max_global_batch"] = memory_model.max_global_batch(analytic, micro_rows, hbm, shape[0] * shape[1],
+                                                             trainer.microbatches)
   return report
-
-
-def _max_global_batch(analytic: Dict[str, int], rows: int, hbm: Optional[int],
-                      shape: Tuple[int, int, int]) -> Optional[int]:
-  """The largest global batch whose analytic total fits `hbm` (activations grow with the rows)."""
-  if hbm is None or rows == 0:
-    return None
-  per_row = analytic["activations"] / rows
-  fixed = analytic["total"] - analytic["activations"]
-  return max(0, int((hbm - fixed) // per_row)) * shape[0] * shape[1]
 
 
 def _gib(n: Optional[float]) -> str:
@@ -290,8 +277,11 @@ def format_report(r: Dict[str, Any]) -> str:
   m, b, a = r["model"], r["batch"], r["analytic"]
   lines = [f"target          {r['target']} ({r['devices']} devices{', ' + r['device_kind'] if 'device_kind' in r else ''}), mesh {mesh}",
            f"model           {m['params'] / 1e9:.2f}B params, {m['layers']} layers, d_model {m['d_model']}, "
-           f"{m['dtype']} compute, {m['param_dtype']} params, remat {m['remat_policy']}",
-           f"batch           {b['global']} x {b['seq_len']} ({b['rows_per_device']} rows per device)",
+           f"{m['dtype']} compute, {m['param_dtype']} params, remat {m['remat_policy']}, "
+           f"{m['attention']} attention",
+           f"batch           {b['global']} x {b['seq_len']} ({b['rows_per_device']} rows per device"
+           f"{', in %d microbatches' % b['microbatches'] if b['microbatches'] > 1 else ''}; "
+           f"loss in chunks of {b['loss_chunk'] or b['seq_len']} positions)",
            "per device      (parameters and optimizer exact, from the shardings)",
            f"  parameters    {_gib(a['params'])}",
            f"  optimizer     {_gib(a['optimizer'])}"]
@@ -301,7 +291,7 @@ def format_report(r: Dict[str, Any]) -> str:
     c = r["compiled"]
     lines += [f"compiled        {r['target']}: arguments {_gib(c['argument'])}, outputs {_gib(c['output'])} "
               f"(aliased {_gib(c['alias'])}), temporaries {_gib(c['temp'])} "
-              "(activations, gradients, gathered weights)",
+              f"(activations, gradients, gathered weights); {c['kernel_calls']} Pallas kernel calls",
               f"  peak          {_gib(c['peak'])} (arguments + outputs - aliased + temporaries)"]
   else:
     lines.append(f"analytic        {r['note']}")
@@ -316,6 +306,7 @@ def format_report(r: Dict[str, Any]) -> str:
       f"({'the compiler refused it; analytic' if r.get('compile_error') else r['method']}: {_gib(r['total'])})")
   lines.append(f"verdict         {verdict}")
   if r["max_global_batch"] is not None:
-    lines.append(f"largest batch   {r['max_global_batch']} rows of {b['seq_len']} fit by the analytic count "
+    at = f" at {b['microbatches']} microbatches" if b["microbatches"] > 1 else ""
+    lines.append(f"largest batch   {r['max_global_batch']} rows of {b['seq_len']} fit by the analytic count{at} "
                  "(set DataConfig.batch_size)")
   return "\n".join(lines)

@@ -18,9 +18,11 @@ from midas_jax.errors import ConfigError
 FORMAT_VERSION = 1
 
 # Settings that do not change what is trained: a resume may change them without an allowance.
+# How a step is computed (attention kernel, gradient accumulation, loss chunks) is among them.
 OPERATIONAL = ("mesh.", "trainer.log_every", "trainer.eval_every", "trainer.eval_batches",
-               "trainer.progress_bar", "trainer.peak_flops_per_device", "trainer.profile_steps", "data.prefetch",
-               "data.read_threads", "checkpoint.")
+               "trainer.progress_bar", "trainer.peak_flops_per_device", "trainer.profile_steps",
+               "trainer.microbatches", "trainer.loss_chunk", "model.attention", "data.prefetch", "data.read_threads",
+               "checkpoint.")
 
 _PACKAGES = ("midas_jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
 

@@ -1,20 +1,99 @@
-"""The one attention mask every objective uses, and the attention call itself.
+"""The one attention mask every objective uses, described per token, and the attention call itself.
 
 A query may see a key when both belong to the same packed segment and either the key is not later
 than the query (causal) or both lie in the segment's bidirectional prefix. Causal LM is the case of
 an empty prefix; prefix LM and span corruption put their inputs in the prefix (docs/architecture.md#one-example-format).
+
+The mask is described, not built (docs/architecture.md#the-mask-is-described-not-built):
+`describe_mask` turns a batch into two integers per token, a segment id and a causal position
+max(position, last prefix position of its segment), and then
+
+    query q sees key k  <=>  segment[q] == segment[k]  and  causal_position[k] <= causal_position[q].
+
+Each padding token is a segment of its own, so it sees only itself (an all-masked softmax row would
+otherwise be undefined). Implementations (ModelConfig.attention):
+  dot_product  builds the dense [batch, 1, T, T] mask and calls jax.nn.dot_product_attention (XLA):
+               the reference, and the fastest on CPU;
+  flash        the fused Pallas kernels of model/kernels/ (TPU: Mosaic, GPU: Triton, CPU: interpreted):
+               no [batch, heads, T, T] tensor, fully masked blocks skipped;
+  auto         flash on TPU and GPU, dot_product on CPU.
 """
 
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from midas_jax.errors import ConfigError
+
+
+@flax.struct.dataclass
+class AttentionMask:
+  """The mask of a batch, per token: [batch, length] int32 each (see the module docstring).
+
+  The keys are the queries' own tokens, except where key_segment_ids and key_causal_positions
+  describe them apart ([batch, keys]): a decoding step's new token attends over a cache of keys
+  (model/kv_cache.py). Then the same rule holds between a query's and a key's description.
+  """
+
+  segment_ids: jax.Array
+  causal_positions: jax.Array
+  key_segment_ids: Optional[jax.Array] = None
+  key_causal_positions: Optional[jax.Array] = None
+
+  @property
+  def is_self_attention(self) -> bool:
+    return self.key_segment_ids is None
+
+  def keys(self) -> Tuple[jax.Array, jax.Array]:
+    """(segment ids, causal positions) of the keys."""
+    if self.is_self_attention:
+      return self.segment_ids, self.causal_positions
+    return self.key_segment_ids, self.key_causal_positions
+
+
+def describe_mask(segment_ids: jax.Array, positions: jax.Array, prefix_mask: jax.Array) -> AttentionMask:
+  """A batch's fields -> its AttentionMask.
+
+  Assumes, as every packed row has it, that an example's bidirectional tokens are its first ones
+  (BOS and the prefix): then the prefix is exactly the tokens whose causal position is the last
+  prefix position.
+  """
+  length = segment_ids.shape[1]
+  segment_ids = segment_ids.astype(jnp.int32)
+  positions = positions.astype(jnp.int32)
+
+  def last_prefix_position(seg, pos, prefix):  # one row: per token, its segment's last prefix position
+    table = jnp.full((length + 1,), -1, jnp.int32).at[seg].max(jnp.where(prefix, pos, -1))
+    return table[seg]
+
+  causal = jnp.maximum(positions, jax.vmap(last_prefix_position)(segment_ids, positions, prefix_mask.astype(bool)))
+  # Padding (segment 0) becomes one segment per token, numbered above every real segment id (<= length)
+  # in increasing order, so segment ids stay sorted along a row and the kernels' block test stays tight.
+  own_segment = length + 1 + jnp.arange(length, dtype=jnp.int32)[None, :]
+  return AttentionMask(segment_ids=jnp.where(segment_ids == 0, own_segment, segment_ids),
+                       causal_positions=causal)
+
+
+def dense_mask(mask: AttentionMask) -> jax.Array:
+  """The described mask as a boolean [batch, 1, queries, keys] array."""
+  seg, cpos = mask.segment_ids, mask.causal_positions
+  key_seg, key_cpos = mask.keys()
+  visible = (seg[:, :, None] == key_seg[:, None, :]) & (key_cpos[:, None, :] <= cpos[:, :, None])
+  return visible[:, None, :, :]
 
 
 def make_attention_mask(segment_ids: jax.Array, positions: jax.Array,
                         prefix_mask: jax.Array) -> jax.Array:
-  """[batch, length] ids, positions and prefix flags -> boolean mask [batch, 1, length, length].
+  """The mask's definition, straight from a batch's fields: boolean [batch, 1, length, length].
 
-  Padding has segment id 0. Every token may see itself, so padding rows are never empty (an
-  all-masked softmax row would otherwise be undefined).
+  The reference the description is tested against. Padding has segment id 0 and sees only itself.
   """
   same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
   causal = positions[:, None, :] <= positions[:, :, None]
@@ -27,9 +106,56 @@ def make_attention_mask(segment_ids: jax.Array, positions: jax.Array,
   return mask[:, None, :, :]
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Scaled dot-product attention; k and v may have fewer heads than q (grouped-query attention).
+def resolve(implementation: str, platform: Optional[str] = None) -> str:
+  """'auto' -> 'flash' on TPU and GPU, 'dot_product' on CPU; other names unchanged.
 
-  jax.nn.dot_product_attention lets XLA (or cuDNN on GPU) choose the kernel.
+  platform: where the program will run (a mesh's devices know it); None takes jax's default backend,
+  which is wrong when compiling ahead of time for another platform (bench compile passes it).
   """
-  return jax.nn.dot_product_attention(q, k, v, mask=mask)
+  if implementation != "auto":
+    return implementation
+  return "dot_product" if (platform or jax.default_backend()) == "cpu" else "flash"
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
+           implementation: str = "auto") -> jax.Array:
+  """Scaled dot-product attention under `mask`; k and v may have fewer heads than q (grouped-query attention).
+
+  q [batch, queries, heads, head_dim]; k, v [batch, keys, kv_heads, head_dim]. The fused kernels are
+  for self-attention over one sequence; a decoding step (a few queries over a cache of keys, described
+  apart) is attended densely whatever the implementation: its scores are one row per query.
+  """
+  implementation = resolve(implementation)
+  if implementation == "dot_product" or (implementation == "flash" and not mask.is_self_attention):
+    return jax.nn.dot_product_attention(q, k, v, mask=dense_mask(mask))
+  if implementation == "flash":
+    return _sharded_flash(q, k, v, mask)
+  raise ConfigError("ModelConfig.attention", f"unknown attention implementation {implementation!r}",
+                    "use 'auto', 'dot_product' or 'flash'")
+
+
+def _sharded_flash(q, k, v, mask: AttentionMask):
+  """The flash kernels on each device's rows and heads (a kernel is opaque to XLA's partitioner)."""
+  from midas_jax.model.kernels import flash_attention  # pylint: disable=import-outside-toplevel
+  mesh = jax.sharding.get_abstract_mesh()
+  args = (q, k, v, mask.segment_ids, mask.causal_positions)
+  if mesh.empty:
+    return flash_attention(*args)
+  batch, length, heads, head_dim = nn.logical_to_mesh_axes(("batch", "length", "heads", "kv"))
+  if length is not None or head_dim is not None:
+    raise ConfigError("MeshConfig.rules", "flash attention needs whole sequences and whole heads on each device, "
+                      f"but 'length' maps to {length!r} and 'kv' to {head_dim!r}",
+                      "map 'length' and 'kv' to None, or set ModelConfig.attention = 'dot_product'")
+  # A dimension its mesh axes do not divide (a batch of one while decoding) is left whole on every device.
+  batch = batch if q.shape[0] % _axes_size(mesh, batch) == 0 else None
+  heads = heads if k.shape[2] % _axes_size(mesh, heads) == 0 else None
+  per_head, per_token = P(batch, None, heads, None), P(batch, None)
+  return jax.shard_map(flash_attention, mesh=mesh, in_specs=(per_head,) * 3 + (per_token,) * 2,
+                       out_specs=per_head, check_vma=False)(*args)
+
+
+def _axes_size(mesh, axes) -> int:
+  if axes is None:
+    return 1
+  names = (axes,) if isinstance(axes, str) else axes
+  return math.prod(mesh.shape[name] for name in names)

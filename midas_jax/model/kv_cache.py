@@ -5,7 +5,8 @@ width; a decoding step computes the new token's query, key and value, writes the
 the token's position (`LayerCache.append`, called by model/layers.Attention) and attends over the
 buffer. Only new tokens are computed, so a step costs one position instead of the whole sequence.
 
-The prefill runs the prompt buffer with the training mask (docs/architecture.md#one-example-format):
+The prefill runs the prompt buffer with the training mask (docs/architecture.md#one-example-format),
+described per token as in training (model/attention.py), so it takes the same attention kernel:
 rows are one segment each, padding is segment 0, and the first `prefix_lengths[r]` tokens of row r
 attend bidirectionally, as an example's prefix does in training. A generated token attends to every
 earlier token of its row and to itself, which is what the training mask gives a target token; the
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 
 from midas_jax.configs import ModelConfig
 from midas_jax.model import looping
-from midas_jax.model.attention import make_attention_mask
+from midas_jax.model.attention import AttentionMask, describe_mask
 from midas_jax.model.layers import Block, dtype_of
 from midas_jax.model.transformer import Decoder
 
@@ -88,7 +89,7 @@ def prefill(params, cfg: ModelConfig, tokens, lengths, prefix_lengths) -> Tuple[
   batch_size, width = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
   segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
-  mask = make_attention_mask(segment_ids, positions, positions < prefix_lengths[:, None])
+  mask = describe_mask(segment_ids, positions, positions < prefix_lengths[:, None])
   return _forward(params, cfg, tokens, positions, mask, empty_cache(cfg, batch_size, width), lengths - 1)
 
 
@@ -97,8 +98,11 @@ def step(params, cfg: ModelConfig, cache: LayerCache, tokens, at) -> Tuple[jax.A
 
   The token sees the row's positions 0..at[r]: the prompt, the tokens generated before it, itself.
   """
-  width = cache.keys.shape[2]
+  batch_size, width = cache.keys.shape[1:3]
   positions = at[:, None].astype(jnp.int32)
-  mask = (jnp.arange(width)[None, :] <= positions)[:, None, None, :]  # [batch, 1, 1 query, width]
+  # One segment per row; the new token (causal position at[r]) sees the buffer's positions <= at[r].
+  ones = lambda n: jnp.ones((batch_size, n), jnp.int32)
+  mask = AttentionMask(segment_ids=ones(1), causal_positions=positions, key_segment_ids=ones(width),
+                       key_causal_positions=jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch_size, width)))
   cache = cache._replace(index=jnp.broadcast_to(at, cache.index.shape).astype(jnp.int32))
   return _forward(params, cfg, tokens[:, None], positions, mask, cache, jnp.zeros_like(at))

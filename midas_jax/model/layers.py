@@ -81,8 +81,9 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nn.Module):
-  """Self-attention. With a `cache` (decoding, model/kv_cache.py) the new tokens' keys and values are
-  written into it and the queries attend over every token it holds; it returns (y, updated cache)."""
+  """Multi-head (or grouped-query) self-attention under `mask`, an attention.AttentionMask. With a
+  `cache` (decoding, model/kv_cache.py) the new tokens' keys and values are written into it and the
+  queries attend over every token it holds; it returns (y, updated cache)."""
 
   cfg: ModelConfig
 
@@ -105,7 +106,8 @@ class Attention(nn.Module):
       k = rotary(k, positions, cfg.rope_theta)
     if cache is not None:
       k, v, cache = cache.append(k, v)
-    out = attn_lib.attend(q, k, v, mask)
+    # Initializing only needs the parameters' shapes, and XLA drops the unused output: no kernel.
+    out = attn_lib.attend(q, k, v, mask, "dot_product" if self.is_initializing() else cfg.attention)
     out_kernel = param(self, "out", weight_init(cfg, fan_in=h * hd, residual=True), (h, hd, d),
                        ("heads", "kv", "embed"), cfg)
     y = dot("bthk,hkd->btd", out, out_kernel, dtype)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from midas_jax.configs import ModelConfig
 from midas_jax.model import looping
-from midas_jax.model.attention import make_attention_mask
+from midas_jax.model.attention import describe_mask
 from midas_jax.model.layers import Block, Norm, dtype_of, param, weight_init
 
 REMAT_POLICIES = {
@@ -69,7 +69,11 @@ class Decoder(nn.Module):
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
   def logits(self, x: jax.Array) -> jax.Array:
-    x = self.final_norm(x)
+    """The last layer's output -> float32 logits (final norm, then the head)."""
+    return self.head_logits(self.final_norm(x))
+
+  def head_logits(self, x: jax.Array) -> jax.Array:
+    """Normed features [batch, length, d_model] -> float32 logits: the head alone, so a loss can apply it chunk by chunk."""
     if self.cfg.tie_embeddings:
       out = jnp.einsum("btd,vd->btv", x, self.embedding.astype(x.dtype), preferred_element_type=jnp.float32)
     else:
@@ -77,15 +81,20 @@ class Decoder(nn.Module):
     return nn.with_logical_constraint(out, ("batch", "length", "vocab"))
 
   def __call__(self, batch: Mapping[str, jax.Array]) -> jax.Array:
+    return self.head_logits(self.features(batch))
+
+  def features(self, batch: Mapping[str, jax.Array]) -> jax.Array:
+    """The final norm's output [batch, length, d_model]: what the head turns into logits."""
     positions = batch["positions"]
-    mask = make_attention_mask(batch["segment_ids"], positions, batch["prefix_mask"])
+    # Described once per batch, read by every layer (docs/architecture.md#the-mask-is-described-not-built).
+    mask = describe_mask(batch["segment_ids"], positions, batch["prefix_mask"])
     x = self.embed(batch["inputs"], positions)
     order = looping.order_for(self.cfg)
     if order is None or self.is_initializing():  # initializing creates the num_layers unique layers
       x, _ = self.layers(x, positions, mask)
     else:
       x = self._looped_layers(x, positions, mask, order)
-    return self.logits(x)
+    return self.final_norm(x)
 
   def _looped_layers(self, x, positions, mask, order):
     """The layer stack run in `order` (a block repeated): see model/looping.py."""

@@ -20,7 +20,7 @@ from midas_jax.data.pipeline import Pipeline, tokenize_documents
 from midas_jax.data.sources import load_documents
 from midas_jax.data.store.pipeline import PreparedPipeline
 from midas_jax.data.vocab import make_vocabulary
-from midas_jax.model import Decoder
+from midas_jax.model import Decoder, attention
 from midas_jax.stacking.schedule import schedule_from_config
 from midas_jax.train import optimizer as optimizer_lib
 from midas_jax.train import step as step_lib
@@ -59,13 +59,16 @@ class Experiment:
       return jax.jit(init, out_shardings=self.layout.shardings)(params)
 
   def jit_train_step(self):
-    step = step_lib.make_train_step(self.model, self.tx, self.schedule, self.config.optimizer.z_loss)
+    trainer = self.config.trainer
+    step = step_lib.make_train_step(self.model, self.tx, self.schedule, self.config.optimizer.z_loss,
+                                    microbatches=trainer.microbatches, loss_chunk=trainer.loss_chunk,
+                                    grad_shardings=self.layout.shardings.params)
     return jax.jit(step, in_shardings=(self.layout.shardings, sharding.batch_sharding(self.mesh)),
                    out_shardings=(self.layout.shardings, sharding.replicated(self.mesh)),
                    donate_argnums=0)
 
   def jit_eval_step(self):
-    return jax.jit(step_lib.make_eval_step(self.model),
+    return jax.jit(step_lib.make_eval_step(self.model, self.config.trainer.loss_chunk),
                    in_shardings=(self.layout.shardings.params, sharding.batch_sharding(self.mesh)),
                    out_shardings=sharding.replicated(self.mesh))
 
@@ -108,10 +111,19 @@ def learning_rate(config: RunConfig) -> optax.Schedule:
                                    stacking.resolved_rewarm_steps(config.optimizer.warmup_steps))
 
 
-def model_and_layout(config: RunConfig, mesh: Mesh, model_config: ModelConfig) -> tuple:
-  """(model, optimizer, lr schedule, axis rules, state layout) on `mesh`, checked and allocating nothing."""
-  sharding.check_divisibility(model_config, mesh, config.data.batch_size)
-  model = Decoder(model_config)
+def model_and_layout(config: RunConfig, mesh: Mesh, model_config: ModelConfig,
+                     platform: Optional[str] = None) -> tuple:
+  """(model, optimizer, lr schedule, axis rules, state layout) on `mesh`, checked and allocating nothing.
+
+  platform: where the step will run, for ModelConfig.attention = 'auto'; None takes the mesh's
+  devices' platform (an abstract mesh has none: then jax's default backend decides when traced).
+  """
+  sharding.check_divisibility(model_config, mesh, config.data.batch_size, config.trainer.microbatches)
+  if platform is None and isinstance(mesh, Mesh):
+    platform = mesh.devices.flat[0].platform
+  # The model gets the resolved kernel; the configs (and so checkpoints) keep what the user wrote.
+  model = Decoder(dataclasses.replace(model_config, attention=attention.resolve(model_config.attention, platform))
+                  if platform else model_config)
   schedule = learning_rate(config)
   tx = optimizer_lib.make_optimizer(config.optimizer, config.trainer.num_steps, schedule)
   rules = config.mesh.rules_as_tuples()

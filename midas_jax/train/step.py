@@ -1,9 +1,16 @@
-"""Loss, train step and eval step: pure functions, jitted by the loop with explicit shardings."""
+"""Loss, train step and eval step: pure functions, jitted by the loop with explicit shardings.
+
+The loss is built from sums (token loss, z-loss, tokens, per objective) divided once by the
+batch's total loss weight, so the same numbers come out whether the sums are taken over the whole
+sequence, chunk by chunk (TrainerConfig.loss_chunk) or microbatch by microbatch
+(TrainerConfig.microbatches).
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -15,40 +22,138 @@ from midas_jax.train.state import TrainState
 OBJECTIVES = ("causal", "prefix", "span")
 
 
-def weighted_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
-                           objective_ids: jax.Array, z_loss: float = 0.0) -> Tuple[jax.Array, dict]:
-  """Mean token cross-entropy under `weights`, plus z_loss * mean(logsumexp ** 2).
-
-  Returns the scalar to minimise and sums from which per-objective losses are derived, so they
-  average correctly across steps and hosts.
-  """
+def loss_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array,
+              objective_ids: jax.Array) -> Dict[str, jax.Array]:
+  """Weighted sums over every token: cross-entropy, logsumexp ** 2 (for the z-loss), weights, per objective."""
   logits = logits.astype(jnp.float32)
   lse = jax.nn.logsumexp(logits, axis=-1)
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   token_loss = lse - target_logit
-  weight_sum = jnp.maximum(weights.sum(), 1e-9)
-  loss = (token_loss * weights).sum() / weight_sum
-  z_term = z_loss * (jnp.square(lse) * weights).sum() / weight_sum
   one_hot = jax.nn.one_hot(objective_ids, len(OBJECTIVES), dtype=jnp.float32) * weights[..., None]
-  aux = {
-      "loss": loss,
-      "z_loss": z_term,
-      "tokens": weights.sum(),
-      "objective_loss_sum": jnp.einsum("bt,bto->o", token_loss, one_hot),
-      "objective_weight_sum": one_hot.sum(axis=(0, 1)),
-  }
+  return {"loss": (token_loss * weights).sum(), "z": (jnp.square(lse) * weights).sum(), "tokens": weights.sum(),
+          "objective_loss_sum": jnp.einsum("bt,bto->o", token_loss, one_hot),
+          "objective_weight_sum": one_hot.sum(axis=(0, 1))}
+
+
+def chunked_loss_sums(head: Callable[[jax.Array], jax.Array], features: jax.Array, targets: jax.Array,
+                      weights: jax.Array, objective_ids: jax.Array, chunk: int) -> Dict[str, jax.Array]:
+  """loss_sums(head(features), ...) taken over `chunk` positions at a time.
+
+  Each chunk's logits are made, reduced to sums and dropped; the backward pass makes them again
+  (jax.checkpoint), so float32 logits [rows, chunk, vocab] are the most ever held. A ragged last
+  chunk is padded with zero-weight positions, which add nothing to any sum.
+  """
+  length = features.shape[1]
+  if chunk <= 0 or chunk >= length:
+    return loss_sums(head(features), targets, weights, objective_ids)
+  num_chunks = -(-length // chunk)
+  pad = num_chunks * chunk - length
+
+  def chunks(x):  # [rows, length, ...] -> [num_chunks, rows, chunk, ...]
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.swapaxes(x.reshape((x.shape[0], num_chunks, chunk) + x.shape[2:]), 0, 1)
+
+  @jax.checkpoint
+  def one_chunk(x, t, w, o):
+    return loss_sums(head(x), t, w, o)
+
+  def body(total, xs):
+    return jax.tree.map(jnp.add, total, one_chunk(*xs)), None
+
+  total, _ = jax.lax.scan(body, _zero_sums(), tuple(chunks(a) for a in (features, targets, weights, objective_ids)))
+  return total
+
+
+def _zero_sums() -> Dict[str, jax.Array]:
+  zero = jnp.zeros((), jnp.float32)
+  return {"loss": zero, "z": zero, "tokens": zero, "objective_loss_sum": jnp.zeros(len(OBJECTIVES), jnp.float32),
+          "objective_weight_sum": jnp.zeros(len(OBJECTIVES), jnp.float32)}
+
+
+def loss_and_metrics(sums: Dict[str, jax.Array], weight_total: jax.Array, z_loss: float) -> Tuple[jax.Array, dict]:
+  """(the scalar to minimise, metrics): mean token cross-entropy + z_loss * mean(logsumexp ** 2)."""
+  loss = sums["loss"] / weight_total
+  z_term = z_loss * sums["z"] / weight_total
+  aux = {"loss": loss, "z_loss": z_term, "tokens": sums["tokens"],
+         "objective_loss_sum": sums["objective_loss_sum"], "objective_weight_sum": sums["objective_weight_sum"]}
   return loss + z_term, aux
 
 
+def _weight_total(weights: jax.Array) -> jax.Array:
+  return jnp.maximum(weights.sum(), 1e-9)
+
+
+def weighted_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
+                           objective_ids: jax.Array, z_loss: float = 0.0) -> Tuple[jax.Array, dict]:
+  """Mean token cross-entropy under `weights`, plus z_loss * mean(logsumexp ** 2), from whole logits.
+
+  Returns the scalar to minimise and sums from which per-objective losses are derived, so they
+  average correctly across steps and hosts.
+  """
+  return loss_and_metrics(loss_sums(logits, targets, weights, objective_ids), _weight_total(weights), z_loss)
+
+
+def split_microbatches(batch: Mapping[str, jax.Array], microbatches: int) -> Dict[str, jax.Array]:
+  """[rows, ...] -> [microbatches, rows / microbatches, ...]; microbatch i holds rows i, i + n, i + 2n, ...
+
+  Striding keeps each microbatch spread over every device: a device's contiguous rows split
+  locally (its rows divide by n whenever the global batch divides by n x data x fsdp).
+  """
+  def split(x):
+    x = jnp.swapaxes(x.reshape((x.shape[0] // microbatches, microbatches) + x.shape[1:]), 0, 1)
+    return nn.with_logical_constraint(x, (None, "batch", "length")) if x.ndim == 3 else x
+
+  return {k: split(v) for k, v in batch.items()}
+
+
+def make_loss_fn(model: Decoder, z_loss: float, loss_chunk: int) -> Callable:
+  """(params, batch, weight_total) -> (scalar loss, metrics), the head applied chunk by chunk."""
+  def loss_fn(params, batch, weight_total):
+    variables = {"params": params}
+    features = model.apply(variables, batch, method=Decoder.features)
+    head = lambda x: model.apply(variables, x, method=Decoder.head_logits)
+    sums = chunked_loss_sums(head, features, batch["targets"], batch["loss_weights"], batch["objective_ids"],
+                             loss_chunk)
+    return loss_and_metrics(sums, weight_total, z_loss)
+
+  return loss_fn
+
+
+def accumulated_gradients(loss_fn: Callable, params, batch: Mapping[str, jax.Array], microbatches: int,
+                          grad_shardings=None) -> Tuple[dict, object]:
+  """(metrics, gradients) of the whole batch, summed over microbatches inside one lax.scan.
+
+  Every microbatch's loss is divided by the whole batch's weight, so the sums are the full batch's
+  loss and gradient. Gradients accumulate in float32 (in the parameters' shardings when given).
+  """
+  weight_total = _weight_total(batch["loss_weights"])
+  grad_fn = jax.grad(loss_fn, has_aux=True)
+  if microbatches == 1:
+    grads, aux = grad_fn(params, batch, weight_total)
+    return aux, grads
+  micro = split_microbatches(batch, microbatches)
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  if grad_shardings is not None:
+    zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
+  aux_zeros = loss_and_metrics(_zero_sums(), weight_total, 0.0)[1]
+
+  def body(carry, one):
+    grad_sum, aux_sum = carry
+    grads, aux = grad_fn(params, one, weight_total)
+    grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+    return (grad_sum, jax.tree.map(jnp.add, aux_sum, aux)), None
+
+  (grads, aux), _ = jax.lax.scan(body, (zeros, aux_zeros), micro)
+  return aux, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+
 def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    z_loss: float) -> Callable:
-  def loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch)
-    return weighted_cross_entropy(logits, batch["targets"], batch["loss_weights"],
-                                  batch["objective_ids"], z_loss)
+                    z_loss: float, microbatches: int = 1, loss_chunk: int = 0,
+                    grad_shardings: Optional[object] = None) -> Callable:
+  loss_fn = make_loss_fn(model, z_loss, loss_chunk)
 
   def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
-    (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+    aux, grads = accumulated_gradients(loss_fn, state.params, batch, microbatches, grad_shardings)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(aux, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step))
@@ -57,11 +162,11 @@ def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: 
   return train_step
 
 
-def make_eval_step(model: Decoder) -> Callable:
+def make_eval_step(model: Decoder, loss_chunk: int = 0) -> Callable:
+  loss_fn = make_loss_fn(model, 0.0, loss_chunk)
+
   def eval_step(params, batch: Mapping[str, jax.Array]):
-    logits = model.apply({"params": params}, batch)
-    _, aux = weighted_cross_entropy(logits, batch["targets"], batch["loss_weights"], batch["objective_ids"])
-    return aux
+    return loss_fn(params, batch, _weight_total(batch["loss_weights"]))[1]
 
   return eval_step
 

@@ -1,0 +1,69 @@
+"""`midas bench compile-table`: the markdown table of docs/pods.md, made from `midas bench compile --json` reports.
+
+Rows are matched between the `before` and `after` report sets by model size, target and batch
+shape, so one table shows what a change did to every configuration both sets compiled.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from midas_jax import fs
+
+GIB = 1024 ** 3
+
+
+def load_reports(paths: Iterable[str]) -> List[Dict[str, Any]]:
+  return [fs.read_json(fs.check(p, "--report")) for p in paths]
+
+
+def _key(r: Dict[str, Any]) -> Tuple:
+  b = r["batch"]
+  return (round(r["model"]["params"] / 1e8), r["target"], b["global"], b["seq_len"])
+
+
+def _size(r: Dict[str, Any]) -> str:
+  return f"{r['model']['params'] / 1e9:.0f}B"
+
+
+def _peak(r: Optional[Dict[str, Any]]) -> str:
+  """The compiler's peak per device, or what it said when it refused the program."""
+  if r is None:
+    return "-"
+  if r.get("compile_error"):
+    # libtpu: "... required for HLO temporaries (31.96G) exceeds available HBM (30.75G)."
+    counts = re.search(r"temporaries \(([^)]+)\) exceeds available HBM \(([^)]+)\)", r["compile_error"])
+    return "refused" + (f": temporaries {counts[1]} > {counts[2]}" if counts else "")
+  if r.get("method") != "compiled":
+    return f"{r['total'] / GIB:.1f} (analytic)"
+  return f"{r['compiled']['peak'] / GIB:.2f}"
+
+
+def _fits(r: Optional[Dict[str, Any]]) -> str:
+  return "-" if r is None or r["fits"] is None else ("yes" if r["fits"] else "**no**")
+
+
+def rows(after: List[Dict[str, Any]], before: List[Dict[str, Any]] = ()) -> List[str]:
+  """One markdown line per `after` report, in model then target order."""
+  earlier = {_key(r): r for r in before}
+  out = []
+  order = lambda r: (r["model"]["params"], r["target"].startswith("gpu"), "x" in r["target"], r["target"],
+                     r["batch"]["seq_len"], r["batch"].get("microbatches", 1))
+  for r in sorted(after, key=order):  # one model's TPU slices, then multi-slice, then GPUs
+    old, b = earlier.get(_key(r)), r["batch"]
+    out.append(" | ".join([
+        "", _size(r), f"`{r['target']}`", f"{b['global']} x {b['seq_len']}", str(b.get("microbatches", 1)),
+        r["model"].get("attention", "dot_product"), _peak(old), _fits(old), _peak(r), _fits(r),
+        f"{r['hbm'] / GIB:.0f}", str(old["max_global_batch"]) if old else "-", str(r["max_global_batch"]), ""]).strip())
+  return out
+
+
+HEADER = ("| model | target | batch | microbatches | attention (after) | before: peak GiB | fits "
+          "| after: peak GiB | fits | HBM GiB | largest batch before | after |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def table(after: List[Dict[str, Any]], before: List[Dict[str, Any]] = ()) -> str:
+  return "\n".join([HEADER] + rows(after, before))
+

@@ -1,0 +1,102 @@
+"""The described UL2 mask and the fused attention kernels, run in Pallas interpret mode on CPU and
+checked against the dense path (docs/architecture.md#the-mask-is-described-not-built)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_model, tiny_run, ul2_rows
+from midas_jax import configs
+from midas_jax.errors import ConfigError
+from midas_jax.model import attention, describe_mask, make_attention_mask
+from midas_jax.model.kernels import block_tables, flash_attention
+from midas_jax.train import experiment as experiment_lib
+
+
+def _description(batch):
+  return describe_mask(jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["positions"]),
+                       jnp.asarray(batch["prefix_mask"]))
+
+
+def test_the_description_is_the_mask_on_packed_ul2_rows():
+  batch = ul2_rows(seed=0, num_rows=6, seq_len=64)
+  assert all(set(row[row > 0]) == {1, 2, 3} for row in batch["segment_ids"])  # three examples a row
+  assert set(np.unique(batch["objective_ids"][batch["segment_ids"] > 0])) == {0, 1, 2}
+  assert (batch["segment_ids"] == 0).any(axis=1).all()  # and padding
+  expected = make_attention_mask(batch["segment_ids"], batch["positions"], batch["prefix_mask"])
+  np.testing.assert_array_equal(attention.dense_mask(_description(batch)), expected)
+
+
+def test_block_tables_skip_only_blocks_with_nothing_visible():
+  batch = ul2_rows(seed=1, num_rows=4, seq_len=64)
+  mask = _description(batch)
+  dense = np.asarray(attention.dense_mask(mask))[:, 0]
+  block = 8
+  tables = block_tables.block_tables(mask.segment_ids, mask.causal_positions, block)
+  visible = np.asarray(block_tables.visible(tables, tables))
+  truth = dense.reshape(4, 8, block, 8, block).any(axis=(2, 4))
+  assert not (truth & ~visible).any()  # never skips a block holding a visible pair
+  assert (~visible).mean() > 0.5  # and skips most: everything above the diagonal, across examples
+  # The kernels read the same test from flat tables, one scalar at a time.
+  flat = np.asarray(block_tables.flat_table(tables))
+  in_kernel = np.array([[[bool(block_tables.blocks_visible_in_kernel(flat, flat, r, i, j, 8, 8))
+                          for j in range(8)] for i in range(8)] for r in range(4)])
+  np.testing.assert_array_equal(in_kernel, visible)
+
+
+def _dense_attention(q, k, v, mask):
+  return jax.nn.dot_product_attention(q, k, v, mask=attention.dense_mask(mask))
+
+
+def _outputs_and_gradients(attend, q, k, v, weights):
+  """attend's output and the gradients of sum(output * weights), from one compiled program."""
+  def loss(q, k, v):
+    out = attend(q, k, v)
+    return jnp.sum(out * weights), out
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+
+def test_flash_equals_dense_attention_and_its_gradients_on_packed_ul2_rows():
+  # Length 44 is not a multiple of the 16-token blocks (the kernel pads); 4 query heads share 2 kv heads.
+  batch = ul2_rows(seed=2, num_rows=2, seq_len=44)
+  mask = _description(batch)
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 44, heads, 16)), jnp.float32) for heads in (4, 2, 2))
+  weights = jnp.asarray(rng.normal(size=(2, 44, 4, 16)), jnp.float32)
+  flash = lambda q, k, v: flash_attention(q, k, v, mask.segment_ids, mask.causal_positions, block=16)
+  (_, out), grads = _outputs_and_gradients(flash, q, k, v, weights)
+  (_, ref_out), ref_grads = _outputs_and_gradients(lambda q, k, v: _dense_attention(q, k, v, mask), q, k, v,
+                                                   weights)
+  np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
+  for name, g, ref in zip("qkv", grads, ref_grads):
+    np.testing.assert_allclose(g, ref, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
+
+
+def test_the_gpu_kernels_lower_to_triton():
+  """No GPU here: lowering for CUDA checks the Triton side of the shared kernel bodies."""
+  shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
+  args = (shape(2, 256, 4, 64), shape(2, 256, 2, 64), shape(2, 256, 2, 64),
+          shape(2, 256, dtype=jnp.int32), shape(2, 256, dtype=jnp.int32))
+  grad = jax.grad(lambda q, k, v, s, c: jnp.sum(flash_attention(q, k, v, s, c).astype(jnp.float32)),
+                  argnums=(0, 1, 2))
+  text = jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dQ, dK/dV
+
+
+def test_auto_is_dot_product_on_cpu_and_flash_elsewhere():
+  assert attention.resolve("auto", "cpu") == "dot_product"
+  assert attention.resolve("auto", "tpu") == attention.resolve("auto", "gpu") == "flash"
+  assert attention.resolve("dot_product", "tpu") == "dot_product"
+  exp = experiment_lib.build_experiment(tiny_run())
+  assert exp.model.cfg.attention == "dot_product" and exp.model_config.attention == "auto"  # config kept
+
+
+def test_bad_attention_settings_are_config_errors():
+  with pytest.raises(ConfigError, match="ModelConfig.attention"):
+    tiny_model(attention="splash")
+  rules = tuple((name, "tensor" if name == "length" else axes) for name, axes in configs.DEFAULT_RULES)
+  config = tiny_run(model=tiny_model(attention="flash"), mesh=configs.MeshConfig(rules=rules))
+  exp = experiment_lib.build_experiment(config)
+  with pytest.raises(ConfigError, match="MeshConfig.rules"), exp.context():
+    exp.jit_train_step().lower(exp.layout.abstract, exp.device_batch(0))
