@@ -89,16 +89,17 @@ def layer_applications(cfg: ModelConfig, num_layers: Optional[int] = None) -> in
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, num_layers: Optional[int] = None) -> float:
   """Model FLOPs of one training token (forward + backward), the MFU numerator per token.
 
-  The PaLM convention (Chowdhery et al. 2022, appendix B): 6 * N for the N matmul weights (2 per
-  multiply-add forward, 4 backward) plus 6 * 2 * layers * seq_len * heads * head_dim for attention
-  scores (QK^T) and values (AV). That attention term counts the full seq_len x seq_len matrix; a
-  kernel that skips the masked half under causal attention does half that work, so MFU read by
-  this convention is the customary one, not the work a causal kernel does. Recomputation under
-  remat is not counted (that would be hardware FLOPs, not model FLOPs). num_layers overrides the
-  stored depth, as in layer_applications.
+  The PaLM convention (Chowdhery et al. 2022, appendix B) for the weights, 6 * N for the N matmul
+  weights (2 per multiply-add forward, 4 backward), plus attention as the causal mask has it: a
+  token's query meets the keys up to its own, seq_len / 2 of them on average, so scores (QK^T) and
+  values (AV) cost 6 * 2 * layers * (seq_len / 2) * heads * head_dim. Counting the causal triangle
+  once, not the whole square, is MaxText's convention, and the work a kernel that skips masked
+  blocks does; the UL2 mixture's bidirectional prefixes are counted as causal too. Recomputation
+  under remat is not counted (that would be hardware FLOPs, not model FLOPs). num_layers overrides
+  the stored depth, as in layer_applications.
   """
   layers = layer_applications(cfg, num_layers)  # a looped block's repeats cost as much as distinct layers
-  attention = 2 * layers * seq_len * cfg.num_heads * cfg.resolved_head_dim
+  attention = 2 * layers * (seq_len / 2) * cfg.num_heads * cfg.resolved_head_dim  # the causal triangle
   return 6.0 * (matmul_params(cfg, layers) + attention)
 
 

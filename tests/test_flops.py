@@ -56,25 +56,25 @@ def test_train_flops_by_hand():
   seq = 1024
   n = 12 * (4 * 768 * 768 + 2 * 768 * 3072) + 768 * 50257  # tied head still multiplies
   assert matmul_params(GPT2_SMALL) == n
-  assert train_flops_per_token(GPT2_SMALL, seq) == 6 * n + 12 * 12 * seq * 12 * 64
+  assert train_flops_per_token(GPT2_SMALL, seq) == 6 * n + 6 * 12 * seq * 12 * 64
   assert forward_flops_per_token(GPT2_SMALL, seq) == pytest.approx(train_flops_per_token(GPT2_SMALL, seq) / 3)
   # GQA shrinks k and v, but attention scores are still over all query heads.
   llama_n = 3 * (64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 160) + 64 * 256
-  assert train_flops_per_token(LLAMA, 128) == 6 * llama_n + 12 * 3 * 128 * 4 * 16
+  assert train_flops_per_token(LLAMA, 128) == 6 * llama_n + 6 * 3 * 128 * 4 * 16
 
 
 def test_train_flops_scaling():
   f = lambda seq, layers=None: train_flops_per_token(LLAMA, seq, num_layers=layers)
-  # Linear in sequence length with slope 12 * L * H * hd; the parameter part does not depend on it.
-  assert f(256) - f(128) == pytest.approx(12 * 3 * 128 * 64)
-  assert f(128) - 12 * 3 * 128 * 64 == pytest.approx(6 * matmul_params(LLAMA))
+  # Linear in sequence length with slope 6 * L * H * hd (the causal triangle); the parameter part does not depend on it.
+  assert f(256) - f(128) == pytest.approx(6 * 3 * 128 * 64)
+  assert f(128) - 6 * 3 * 128 * 64 == pytest.approx(6 * matmul_params(LLAMA))
   # Each layer adds the same amount; the head's cost is paid once.
   per_layer = f(128, 4) - f(128, 3)
   assert f(128, 9) - f(128, 3) == pytest.approx(6 * per_layer)
   assert f(128, 3) == f(128)
   assert f(128, 3) - 3 * per_layer == pytest.approx(6 * 64 * 256)
-  # Long-context check: at short length 6N dominates; at seq = 6N/(12 L H hd) attention equals it.
-  seq_equal = 6 * matmul_params(LLAMA) / (12 * 3 * 4 * 16)
+  # Long-context check: at short length 6N dominates; at seq = 6N/(6 L H hd) attention equals it.
+  seq_equal = 6 * matmul_params(LLAMA) / (6 * 3 * 4 * 16)
   assert f(int(seq_equal)) == pytest.approx(2 * 6 * matmul_params(LLAMA), rel=1e-3)
 
 
@@ -83,14 +83,14 @@ def test_train_flops_scaling():
 TINY = ModelConfig(family="llama", vocab_size=512, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2,
                    d_ff=64, max_seq_len=128)
 TINY_LAYER = 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64  # q, o; k, v; gate, up, down: 9216 weights
-TINY_ATTENTION = 2 * 32 * 4 * 8  # QK^T and AV per token per layer at seq 32
+TINY_ATTENTION = 32 * 4 * 8  # QK^T and AV per token per layer at seq 32, the causal half: 2 x 16 keys x 4 heads x 8
 TINY_HEAD = 32 * 512
 
 
 def test_a_looped_block_counts_every_application():
   looped = dataclasses.replace(TINY, loop_start=1, loop_size=1, loop_repeats=2)  # layers 0, 1, 1, 2
   by_hand = 6 * (4 * (TINY_LAYER + TINY_ATTENTION) + TINY_HEAD)
-  assert by_hand == 368_640
+  assert by_hand == 344_064
   assert layer_applications(looped) == 4
   assert train_flops_per_token(looped, 32) == by_hand
   # The stored depth given explicitly (as the train loop and the stage schedule do) counts the same.
@@ -102,7 +102,7 @@ def test_a_grown_then_looped_model_counts_the_loop_at_every_depth():
   # Grown from 2 to 4 layers with layer 1 applied twice throughout: 3, then 5 applications.
   looped = dataclasses.replace(TINY, num_layers=4, loop_start=1, loop_size=1, loop_repeats=2)
   depth_2, depth_4 = (6 * (n * (TINY_LAYER + TINY_ATTENTION) + TINY_HEAD) for n in (3, 5))
-  assert (depth_2, depth_4) == (301_056, 436_224)
+  assert (depth_2, depth_4) == (282_624, 405_504)
   assert train_flops_per_token(looped, 32, num_layers=2) == depth_2
   assert train_flops_per_token(looped, 32, num_layers=4) == depth_4
   schedule = sched.StageSchedule((3, 5), 2)

@@ -50,7 +50,7 @@ def test_looped_forward_repeats_the_tied_block_and_its_gradient_sums():
 
 # Per token of the tiny llama (d 32, 4 heads of 8, 2 kv heads, d_ff 64, vocab 512) at seq 32, by hand:
 # a layer application is 6 * (9216 matmul weights + 2 * 32 * 4 * 8 attention), the head 6 * 32 * 512.
-LAYER_FLOPS, HEAD_FLOPS = 6 * (9216 + 2048), 6 * 32 * 512
+LAYER_FLOPS, HEAD_FLOPS = 6 * (9216 + 1024), 6 * 32 * 512  # attention: the causal half of 32 x 32
 TOKENS_PER_STEP = 8 * 32
 PEAK = 1e11 * 8  # TrainerConfig.peak_flops_per_device over the 8 simulated devices
 
@@ -82,7 +82,7 @@ def test_training_a_looped_model_and_growing_it(tmp_path):
   assert [r["depth"] for r in rows] == [2, 2, 2, 4, 4, 4]
   saved = json.loads((tmp_path / "config.json").read_text())["model"]
   assert saved["num_layers"] == 4 and saved["vocab_size"] == 512
-  # 301,056 and 436,224 per token; without the loop counted, 233,472 and 368,640.
-  assert (3 * LAYER_FLOPS + HEAD_FLOPS, 5 * LAYER_FLOPS + HEAD_FLOPS) == (301_056, 436_224)
+  # 282,624 and 405,504 per token; without the loop counted, 221,184 and 344,064.
+  assert (3 * LAYER_FLOPS + HEAD_FLOPS, 5 * LAYER_FLOPS + HEAD_FLOPS) == (282_624, 405_504)
   assert_flops_by_hand(rows, lambda step: 3 if step < 3 else 5)
   assert {r["depth"] for r in rows if "mfu" in r} == {2, 4}  # MFU checked in both stages

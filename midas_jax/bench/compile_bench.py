@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
 from midas_jax import flops, sharding
-from midas_jax.bench import memory_model
+from midas_jax.bench import dot_dtypes, memory_model
 from midas_jax.configs import RunConfig
 from midas_jax.errors import ConfigError, require
 from midas_jax.model import dummy_batch
@@ -152,8 +152,9 @@ def batch_bytes(config: RunConfig, rows: int) -> int:
   return sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in shapes.values())
 
 
-def compile_train_step(config: RunConfig, devices: Sequence[Any]) -> Dict[str, int]:
-  """XLA's memory analysis of the train step compiled for `devices`, allocating nothing."""
+def compile_train_step(config: RunConfig, devices: Sequence[Any]) -> Dict[str, Any]:
+  """XLA's memory analysis of the train step compiled for `devices`, allocating nothing, and the
+  compiled program's matmuls by dtype (what the backend runs, after any pass that changed one)."""
   mesh = sharding.make_mesh(config.mesh, devices)
   model_config, model, tx, schedule, rules, layout = _parts(config, mesh)
   experiment = Experiment(config=config, model_config=model_config, vocab=None, pipeline=None, mesh=mesh,
@@ -169,6 +170,7 @@ def compile_train_step(config: RunConfig, devices: Sequence[Any]) -> Dict[str, i
   # Proof the fused attention made it into the program: its Pallas kernels are custom calls.
   text = compiled.as_text() or ""
   memory["kernel_calls"] = sum(text.count(f"custom_call_target=\"{t}\"") for t in KERNEL_TARGETS)
+  memory["matmuls"] = dot_dtypes.summary(dot_dtypes.hlo_dots(text))  # outside the kernels: custom calls are opaque
   return memory
 
 
@@ -293,6 +295,12 @@ def format_report(r: Dict[str, Any]) -> str:
               f"(aliased {_gib(c['alias'])}), temporaries {_gib(c['temp'])} "
               f"(activations, gradients, gathered weights); {c['kernel_calls']} Pallas kernel calls",
               f"  peak          {_gib(c['peak'])} (arguments + outputs - aliased + temporaries)"]
+    mm = c.get("matmuls")
+    if mm:
+      lines.append(f"matmuls         {mm['count']} in the optimized program, each counted once: "
+                   f"{mm['bfloat16_operand_share']:.1%} of their FLOPs on bfloat16 operands")
+      lines += [f"  {row['lhs']} x {row['rhs']} -> {row['result']:<9} {row['count']:>4} matmuls, "
+                f"{row['flop_share']:.1%} of FLOPs" for row in mm["by_dtypes"]]
   else:
     lines.append(f"analytic        {r['note']}")
   lines += [f"  analytic      gradients {_gib(a['gradients'])}, gathered weights {_gib(a['gathered_weights'])}, "

@@ -12,8 +12,8 @@ max(position, last prefix position of its segment), and then
 
 Each padding token is a segment of its own, so it sees only itself (an all-masked softmax row would
 otherwise be undefined). Implementations (ModelConfig.attention):
-  dot_product  builds the dense [batch, 1, T, T] mask and calls jax.nn.dot_product_attention (XLA):
-               the reference, and the fastest on CPU;
+  dot_product  builds the dense [batch, 1, T, T] mask and the whole score matrix (dense_attention,
+               XLA): the reference, and the fastest on CPU;
   flash        the fused Pallas kernels of model/kernels/ (TPU: Mosaic, GPU: Triton, CPU: interpreted):
                no [batch, heads, T, T] tensor, fully masked blocks skipped;
   auto         flash on TPU and GPU, dot_product on CPU.
@@ -31,6 +31,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from midas_jax.errors import ConfigError
+from midas_jax.model.matmul import dot, dot_to_float32
+
+# A masked score: exp(MASKED_SCORE - max) is 0 beside any visible score, and finite arithmetic
+# never turns it into NaN (every row sees at least its own token).
+MASKED_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 @flax.struct.dataclass
@@ -127,11 +132,32 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
   """
   implementation = resolve(implementation)
   if implementation == "dot_product" or (implementation == "flash" and not mask.is_self_attention):
-    return jax.nn.dot_product_attention(q, k, v, mask=dense_mask(mask))
+    return dense_attention(q, k, v, mask)
   if implementation == "flash":
     return _sharded_flash(q, k, v, mask)
   raise ConfigError("ModelConfig.attention", f"unknown attention implementation {implementation!r}",
                     "use 'auto', 'dot_product' or 'flash'")
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask) -> jax.Array:
+  """Attention through the whole [batch, heads, queries, keys] score matrix (XLA fuses what it can).
+
+  The scores are a float32 result of compute-dtype operands, the softmax runs in float32 and the
+  probabilities meet the values in the compute dtype (docs/model.md#which-ops-run-in-which-dtype).
+  In float32 it computes what jax.nn.dot_product_attention's XLA path does, operation for operation.
+  """
+  batch, queries, heads, head_dim = q.shape
+  kv_heads, dtype = k.shape[2], q.dtype
+  visible = dense_mask(mask)  # [b, 1, t, s]
+  scale = jnp.float32(1.0 / math.sqrt(head_dim))
+
+  def one_group(q_group):  # the query heads that share the kv heads' index: [b, t, kv, d]
+    scores = dot_to_float32("btnd,bsnd->bnts", q_group, k, dtype) * scale
+    probs = jax.nn.softmax(jnp.where(visible, scores, jnp.float32(MASKED_SCORE)), axis=-1).astype(dtype)
+    return dot("bnts,bsnd->btnd", probs, v, dtype)
+
+  grouped = q.reshape(batch, queries, kv_heads, heads // kv_heads, head_dim)
+  return jax.vmap(one_group, in_axes=3, out_axes=3)(grouped).reshape(batch, queries, heads, head_dim)
 
 
 def _sharded_flash(q, k, v, mask: AttentionMask):

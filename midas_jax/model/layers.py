@@ -2,7 +2,7 @@
 
 Kernels are kept in their natural multi-dimensional shapes (e.g. the query kernel is
 [embed, heads, kv]) so that sharding rules and Hugging Face conversion both read them directly.
-Every matmul runs in the compute dtype and accumulates in float32.
+Every matmul runs on compute-dtype operands (model/matmul.py); norms and rotary run in float32.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from midas_jax.configs import ModelConfig
 from midas_jax.model import attention as attn_lib
+from midas_jax.model.matmul import dot
 
 
 def dtype_of(name: str):
@@ -35,12 +36,6 @@ def param(module: nn.Module, name: str, init, shape: Sequence[int], axes: Sequen
           cfg: ModelConfig):
   return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape),
                       dtype_of(cfg.param_dtype))
-
-
-def dot(equation: str, x: jax.Array, w: jax.Array, dtype) -> jax.Array:
-  """einsum in the compute dtype with float32 accumulation, cast back to the compute dtype."""
-  out = jnp.einsum(equation, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
-  return out.astype(dtype)
 
 
 class Norm(nn.Module):

@@ -16,6 +16,7 @@ from midas_jax.configs import ModelConfig
 from midas_jax.model import looping
 from midas_jax.model.attention import describe_mask
 from midas_jax.model.layers import Block, Norm, dtype_of, param, weight_init
+from midas_jax.model.matmul import dot_to_float32
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -75,9 +76,9 @@ class Decoder(nn.Module):
   def head_logits(self, x: jax.Array) -> jax.Array:
     """Normed features [batch, length, d_model] -> float32 logits: the head alone, so a loss can apply it chunk by chunk."""
     if self.cfg.tie_embeddings:
-      out = jnp.einsum("btd,vd->btv", x, self.embedding.astype(x.dtype), preferred_element_type=jnp.float32)
+      out = dot_to_float32("btd,vd->btv", x, self.embedding, x.dtype)
     else:
-      out = jnp.einsum("btd,dv->btv", x, self.head.astype(x.dtype), preferred_element_type=jnp.float32)
+      out = dot_to_float32("btd,dv->btv", x, self.head, x.dtype)
     return nn.with_logical_constraint(out, ("batch", "length", "vocab"))
 
   def __call__(self, batch: Mapping[str, jax.Array]) -> jax.Array:

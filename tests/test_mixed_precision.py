@@ -1,0 +1,98 @@
+"""Which dtypes the train step's matmuls run in (docs/model.md#which-ops-run-in-which-dtype), read from
+the program handed to XLA, before any backend pass widens a dtype the CPU cannot run natively."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_model, tiny_run, ul2_rows
+from midas_jax import configs
+from midas_jax.bench import dot_dtypes
+from midas_jax.model import attention, describe_mask
+from midas_jax.model.matmul import dot_to_float32
+from midas_jax.train import experiment as experiment_lib
+
+BF16, F32 = "bfloat16", "float32"
+
+
+def _train_step_dots(dtype, attention_impl="dot_product", remat="full"):
+  """The matmuls of one lowered train step: untied head, chunked loss, GQA, every remat recomputation."""
+  run = tiny_run(model=tiny_model(dtype=dtype, remat_policy=remat, tie_embeddings=False, attention=attention_impl),
+                 trainer=configs.TrainerConfig(num_steps=2, log_every=1, eval_every=0, progress_bar=False,
+                                               loss_chunk=16))
+  exp = experiment_lib.build_experiment(run)
+  with exp.context():
+    text = exp.jit_train_step().lower(exp.layout.abstract, exp.device_batch(0)).as_text()
+  return dot_dtypes.stablehlo_dots(text)
+
+
+@pytest.mark.parametrize("attention_impl,remat", [("dot_product", "full"), ("flash", "minimal")])
+def test_every_matmul_of_the_bfloat16_step_has_bfloat16_operands(attention_impl, remat):
+  dots = _train_step_dots(BF16, attention_impl, remat)
+  table = dot_dtypes.flops_by_dtypes(dots)
+  wide = [d.text for d in dots if d.dtypes[:2] != (BF16, BF16)]
+  assert not wide, "float32-operand matmuls in the bfloat16 step:\n" + "\n".join(wide)
+  # Results: float32 for what a softmax reads (scores, logits) and inside the flash kernels, whose
+  # blocks accumulate in float32; bfloat16 for the rest, the backward pass's weight gradients included.
+  assert set(table) == {(BF16, BF16, BF16), (BF16, BF16, F32)}
+
+
+def test_the_float32_step_stays_float32():
+  dots = _train_step_dots(F32)
+  assert len(dots) > 20 and {d.dtypes for d in dots} == {(F32, F32, F32)}
+
+
+def test_dot_to_float32_rounds_only_the_backward_cotangent():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
+  g = jnp.asarray(rng.normal(size=(4, 8, 32)), jnp.float32)
+  out, backward = jax.vjp(lambda a, b: dot_to_float32("btd,dv->btv", a, b, jnp.bfloat16), x, w)
+  xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  # Forward: the float32 result of bfloat16 operands, not rounded to bfloat16.
+  np.testing.assert_array_equal(out, jnp.einsum("btd,dv->btv", xb, wb, preferred_element_type=jnp.float32))
+  assert out.dtype == jnp.float32 and not np.array_equal(out, out.astype(jnp.bfloat16).astype(jnp.float32))
+  # Backward: the bfloat16 einsum's own gradients of the rounded cotangent, returned in the inputs' dtype.
+  dx, dw = backward(g)
+  _, reference = jax.vjp(lambda a, b: jnp.einsum("btd,dv->btv", a, b), xb, wb)
+  for got, want in zip((dx, dw), reference(g.astype(jnp.bfloat16))):
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, want.astype(jnp.float32))
+  # And in float32 it is the plain einsum, gradients and all.
+  exact = jax.grad(lambda a: dot_to_float32("btd,dv->btv", a, w, jnp.float32).sum())(x)
+  np.testing.assert_array_equal(exact, jax.grad(lambda a: jnp.einsum("btd,dv->btv", a, w).sum())(x))
+
+
+def test_dense_attention_is_jax_reference_in_float32_and_close_in_bfloat16():
+  batch = ul2_rows(seed=3, num_rows=2, seq_len=40)
+  mask = describe_mask(jnp.asarray(batch["segment_ids"]), jnp.asarray(batch["positions"]),
+                       jnp.asarray(batch["prefix_mask"]))
+  rng = np.random.default_rng(1)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 40, heads, 16)), jnp.float32) for heads in (4, 2, 2))
+  reference = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=attention.dense_mask(mask))
+  ours = lambda q, k, v: attention.dense_attention(q, k, v, mask)
+  grads = lambda f, *a: jax.jit(jax.grad(lambda *b: jnp.sum(f(*b).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))(*a)
+  np.testing.assert_array_equal(jax.jit(ours)(q, k, v), jax.jit(reference)(q, k, v))
+  for got, want in zip(grads(ours, q, k, v), grads(reference, q, k, v)):
+    np.testing.assert_array_equal(got, want)
+  half = [a.astype(jnp.bfloat16) for a in (q, k, v)]
+  out = jax.jit(ours)(*half)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32), jax.jit(reference)(q, k, v), atol=0.05)
+
+
+HLO = """
+%fused_computation.1 (param_0: bf16[64,512], param_1: bf16[512,2048]) -> f32[64,2048] {
+  %dot.3 = f32[64,2048]{1,0} dot(bf16[64,512]{1,0} %param_0, bf16[512,2048]{1,0} %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %convolution.7 = bf16[8,128,256]{2,1,0} convolution(bf16[8,128,64]{2,1,0} %p.2, bf16[64,256]{1,0} %p.3), dim_labels=b0f_io->b0f
+  %dot.9 = f32[4,16,16]{2,1,0} dot(f32[4,16,8]{2,1,0} %a, f32[4,8,16]{2,1,0} %b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}, metadata={op_name="x"}
+}
+"""
+
+
+def test_optimized_hlo_matmuls_are_read_with_their_flops():
+  dots = dot_dtypes.hlo_dots(HLO)
+  assert [d.dtypes for d in dots] == [(BF16, BF16, F32), (BF16, BF16, BF16), (F32, F32, F32)]
+  assert [d.flops for d in dots] == [2 * 64 * 2048 * 512, 2 * 8 * 128 * 256 * 64, 2 * 4 * 16 * 16 * 8]
+  assert dot_dtypes.operand_share(dots, BF16) == pytest.approx(sum(d.flops for d in dots[:2]) / sum(d.flops for d in dots))
