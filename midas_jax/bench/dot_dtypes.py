@@ -63,39 +63,68 @@ def stablehlo_dots(text: str) -> List[Dot]:
   return dots
 
 
-# `%dot.3 = bf16[8,512]{1,0} dot(bf16[8,64]{1,0} %a, bf16[64,512]{1,0} %b), lhs_contracting_dims={1}, ...`
-_HLO_SHAPE = r"(?P<{0}>[a-z0-9]+)\[(?P<{0}_dims>[\d,]*)\](?:\{{[^}}]*\}})?"
-_HLO_MATMUL = re.compile(r"=\s*" + _HLO_SHAPE.format("out") + r"\s+(?P<op>dot|convolution)\(\s*"
-                         + _HLO_SHAPE.format("lhs") + r"\s+%?[\w.\-]+,\s*" + _HLO_SHAPE.format("rhs")
-                         + r"\s+%?[\w.\-]+\)(?P<attrs>.*)")
+# An instruction: `%dot.3 = bf16[8,512]{1,0} dot(%a, %b), lhs_contracting_dims={1}, ...`. Operands are
+# named, and some printers put each operand's shape before its name; a TPU module does not.
+_HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[\d,]*)\]"
+                      r"(?:\{[^ ]*\})?\s+(?P<op>[\w\-]+)\(")
+_HLO_OPERAND = re.compile(r"(?:(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[\d,]*)\]\S*\s+)?%(?P<name>[\w.\-]+)")
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
-_DIM_LABELS = re.compile(r"dim_labels=(?P<lhs>[^_]+)_(?P<rhs>[^-]+)->(?P<out>\S+?)(?:,|$|\s)")
-_GROUPS = re.compile(r"feature_group_count=(?P<n>\d+)")
+_RHS_LABELS = re.compile(r"dim_labels=[^_]+_(?P<rhs>[^-]+)->")
 
 
 def hlo_dots(text: str) -> List[Dot]:
-  """Every dot and convolution of an optimized HLO module.
+  """Every dot and convolution of an optimized HLO module, inside fusions included.
 
-  A convolution's FLOPs: 2 x (result elements) x (kernel elements / output features), that is the
-  input features and window taps each output multiplies; grouped convolutions divide their input
-  features among the groups, which the kernel's shape already reflects.
+  A convolution (how TPU modules write most matmuls) multiplies each output by (kernel elements /
+  output features): the input features and window taps; a grouped convolution's kernel already
+  holds only its group's input features.
   """
-  dots = []
+  shapes: Dict[str, Tuple[Tuple[int, ...], str]] = {}
+  matmuls = []
   for line in text.splitlines():
-    m = _HLO_MATMUL.search(line)
+    m = _HLO_DEF.search(line)
     if not m:
       continue
-    out_shape, lhs_shape, rhs_shape = (_ints(m[k + "_dims"]) for k in ("out", "lhs", "rhs"))
-    dtypes = (_dtype(m["lhs"]), _dtype(m["rhs"]), _dtype(m["out"]))
+    shapes[m["name"]] = (_ints(m["dims"]), _dtype(m["dtype"]))
+    if m["op"] in ("dot", "convolution"):
+      matmuls.append((m, line))
+  dots = []
+  for m, line in matmuls:
+    operands, attrs = _call(line, m.end())
+    (lhs_shape, lhs), (rhs_shape, rhs) = (_operand(o, shapes) for o in operands[:2])
+    out_shape = _ints(m["dims"])
     if m["op"] == "dot":
-      contracting = _LHS_CONTRACTING.search(m["attrs"])
+      contracting = _LHS_CONTRACTING.search(attrs)
       per_output = math.prod(lhs_shape[d] for d in (_ints(contracting["dims"]) if contracting else ()))
     else:
-      labels = _DIM_LABELS.search(m["attrs"])
+      labels = _RHS_LABELS.search(attrs)
       out_feature = labels["rhs"].index("o") if labels else len(rhs_shape) - 1
       per_output = math.prod(rhs_shape) // max(rhs_shape[out_feature], 1)
-    dots.append(Dot(dtypes, 2.0 * math.prod(out_shape) * per_output, line.strip()))
+    dots.append(Dot((lhs, rhs, _dtype(m["dtype"])), 2.0 * math.prod(out_shape) * per_output, line.strip()))
   return dots
+
+
+def _call(line: str, start: int) -> Tuple[List[str], str]:
+  """The operands of the call whose '(' ends at `start`, split at top-level commas, and what follows."""
+  depth, operands, current = 1, [], ""
+  for i in range(start, len(line)):
+    c = line[i]
+    depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(c, 0)
+    if depth == 0:
+      return operands + [current.strip()], line[i + 1:]
+    if c == "," and depth == 1:
+      operands.append(current.strip())
+      current = ""
+    else:
+      current += c
+  return operands + [current.strip()], ""
+
+
+def _operand(text: str, shapes) -> Tuple[Tuple[int, ...], str]:
+  m = _HLO_OPERAND.search(text)
+  if m["dtype"]:
+    return _ints(m["dims"]), _dtype(m["dtype"])
+  return shapes[m["name"]]
 
 
 def _ints(csv: str) -> Tuple[int, ...]:

@@ -94,6 +94,9 @@ def run(config: RunConfig, steps: int = 10, warmup: int = 2, peak_size: int = 20
       "step_seconds_min": min(times),
       "warmup_seconds": warmup_seconds,
       "tokens_per_second": tokens / step_seconds,
+      # Throughput against the same run's float32 matmul ceiling: the figure that compares across
+      # machines and frameworks (docs/benchmarks.md#against-maxtext).
+      "tokens_per_second_per_float32_peak_gflops": tokens / step_seconds / (peaks["float32"] / 1e9),
       "model_flops_per_step": model_flops,
       "achieved_flops_per_device": achieved,
       "peak_flops_per_device": peaks,
@@ -119,7 +122,10 @@ def format_report(r: Dict[str, object]) -> str:
       f"step            {r['step_seconds_median'] * 1e3:.0f} ms median ({r['step_seconds_min'] * 1e3:.0f} ms min), "
       f"first steps incl. compile {r['warmup_seconds']:.1f} s",
       f"throughput      {r['tokens_per_second']:,.0f} tokens/s, "
-      f"{r['achieved_flops_per_device'] / 1e9:,.2f} GFLOP/s per device (model FLOPs)",
+      f"{r['achieved_flops_per_device'] / 1e9:,.2f} GFLOP/s per device (model FLOPs: 6 per weight per token, "
+      "attention over the causal triangle)",
+      f"per ceiling     {r['tokens_per_second_per_float32_peak_gflops']:.3f} tokens/s per GFLOP/s of the "
+      "float32 matmul peak below",
   ]
   for name, value in peaks.items():
     how = {"vendor_bf16": "(vendor)", "override": "(TrainerConfig.peak_flops_per_device)"}.get(name, "(median)")

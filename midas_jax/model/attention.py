@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from midas_jax.errors import ConfigError
-from midas_jax.model.matmul import dot, dot_to_float32
+from midas_jax.model.matmul import ATTENTION, dot, dot_to_float32
 
 # A masked score: exp(MASKED_SCORE - max) is 0 beside any visible score, and finite arithmetic
 # never turns it into NaN (every row sees at least its own token).
@@ -152,9 +152,9 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMas
   scale = jnp.float32(1.0 / math.sqrt(head_dim))
 
   def one_group(q_group):  # the query heads that share the kv heads' index: [b, t, kv, d]
-    scores = dot_to_float32("btnd,bsnd->bnts", q_group, k, dtype) * scale
+    scores = dot_to_float32("btnd,bsnd->bnts", q_group, k, dtype, name=ATTENTION) * scale
     probs = jax.nn.softmax(jnp.where(visible, scores, jnp.float32(MASKED_SCORE)), axis=-1).astype(dtype)
-    return dot("bnts,bsnd->btnd", probs, v, dtype)
+    return dot("bnts,bsnd->btnd", probs, v, dtype, name=ATTENTION)
 
   grouped = q.reshape(batch, queries, kv_heads, heads // kv_heads, head_dim)
   return jax.vmap(one_group, in_axes=3, out_axes=3)(grouped).reshape(batch, queries, heads, head_dim)

@@ -13,19 +13,24 @@ import jax
 import jax.numpy as jnp
 
 from midas_jax.configs import ModelConfig
-from midas_jax.model import looping
+from midas_jax.model import looping, matmul
 from midas_jax.model.attention import describe_mask
 from midas_jax.model.layers import Block, Norm, dtype_of, param, weight_init
-from midas_jax.model.matmul import dot_to_float32
 
+_policies, _names = jax.checkpoint_policies, jax.checkpoint_policies.save_only_these_names
+# A mixed-precision matmul is a custom VJP the dot policies cannot see into; its result is named
+# instead (model/matmul.py), and each policy saves the names that stand for the dots it saves.
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+    "full": _policies.nothing_saveable,
+    "minimal": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable,
+                                                 _names(matmul.PROJECTION)),
+    "save_dots": _policies.save_from_both_policies(_policies.checkpoint_dots,
+                                                   _names(matmul.PROJECTION, matmul.ATTENTION)),
 }
 
 
-def _block_class(cfg: ModelConfig):
+def block_class(cfg: ModelConfig):
+  """Block under the config's remat policy: what one layer of the scanned stack is."""
   if cfg.remat_policy == "none":
     return Block
   return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
@@ -34,7 +39,7 @@ def _block_class(cfg: ModelConfig):
 def scanned_blocks(cfg: ModelConfig, num_layers: int):
   """nn.scan of Block over `num_layers` layers, tagging each param with the `layers` axis."""
   return nn.scan(
-      _block_class(cfg),
+      block_class(cfg),
       variable_axes={"params": 0},
       split_rngs={"params": True},
       in_axes=(nn.broadcast, nn.broadcast),
@@ -76,9 +81,9 @@ class Decoder(nn.Module):
   def head_logits(self, x: jax.Array) -> jax.Array:
     """Normed features [batch, length, d_model] -> float32 logits: the head alone, so a loss can apply it chunk by chunk."""
     if self.cfg.tie_embeddings:
-      out = dot_to_float32("btd,vd->btv", x, self.embedding, x.dtype)
+      out = matmul.dot_to_float32("btd,vd->btv", x, self.embedding, x.dtype)
     else:
-      out = dot_to_float32("btd,dv->btv", x, self.head, x.dtype)
+      out = matmul.dot_to_float32("btd,dv->btv", x, self.head, x.dtype)
     return nn.with_logical_constraint(out, ("batch", "length", "vocab"))
 
   def __call__(self, batch: Mapping[str, jax.Array]) -> jax.Array:
