@@ -21,6 +21,10 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_dots": jax.checkpoint_policies.checkpoint_dots,
+    # "full", but each layer's input waits for the backward pass in host memory, not on the device.
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
