@@ -17,7 +17,7 @@ from midas_jax.errors import require
 
 FAMILIES = ("llama", "gpt2")
 INIT_SCHEMES = ("gpt2", "gamma")
-REMAT_POLICIES = ("none", "full", "minimal", "save_dots")
+REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "offload")
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("auto", "dot_product", "flash")
 

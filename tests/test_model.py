@@ -150,7 +150,7 @@ def _loss_and_grads(cfg, params, batch):
   return jax.value_and_grad(loss)(params)
 
 
-@pytest.mark.parametrize("policy", ["full", "minimal", "save_dots"])
+@pytest.mark.parametrize("policy", ["full", "minimal", "save_dots", "offload"])
 def test_remat_does_not_change_values(policy):
   cfg, _, variables = init(tiny_model())
   params = nn.unbox(variables)["params"]

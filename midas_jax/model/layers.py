@@ -13,6 +13,7 @@ from typing import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from midas_jax.configs import ModelConfig
 from midas_jax.model import attention as attn_lib
@@ -143,6 +144,7 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, mask, cache=None):
+    x = checkpoint_name(x, "layer_input")  # what remat_policy="offload" keeps, in host memory
     attended = Attention(self.cfg, name="attn")(Norm(self.cfg, name="attn_norm")(x), positions, mask, cache)
     if cache is not None:
       attended, cache = attended

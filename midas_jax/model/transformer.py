@@ -26,6 +26,10 @@ REMAT_POLICIES = {
                                                  _names(matmul.PROJECTION)),
     "save_dots": _policies.save_from_both_policies(_policies.checkpoint_dots,
                                                    _names(matmul.PROJECTION, matmul.ATTENTION)),
+    # "full", but each layer's input waits for the backward pass in host memory, not on the device.
+    "offload": _policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
