@@ -60,8 +60,11 @@ def test_bench_train_reports_mfu_against_a_same_run_peak(capsys, tmp_path, no_co
   assert achieved == pytest.approx(report["model_flops_per_step"] / report["step_seconds_median"] / 8, rel=1e-12)
   for name in ("float32", "bfloat16_f32_accum", "override"):
     assert ratios[name] == pytest.approx(achieved / peaks[name], rel=1e-12), name
+  # Throughput per GFLOP/s of the same run's float32 peak, the figure that compares across machines.
+  assert report["tokens_per_second_per_float32_peak_gflops"] == pytest.approx(
+      report["tokens_per_second"] / (peaks["float32"] / 1e9), rel=1e-12)
   # The printed figures agree to their rounding: GFLOP/s to 0.005, percentages to 0.005 points.
-  printed_achieved, = _printed(r"([\d,.]+) GFLOP/s per device \(model FLOPs\)", text)
+  printed_achieved, = _printed(r"([\d,.]+) GFLOP/s per device \(model FLOPs", text)
   for name in ("float32", "bfloat16_f32_accum", "override"):
     peak, ratio = _printed(rf"peak {name} +([\d,.]+) GFLOP/s per device .*-> ratio ([\d.]+)%", text)
     low = (printed_achieved - 0.005) / (peak + 0.005) * 100 - 0.005
