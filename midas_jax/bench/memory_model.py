@@ -49,7 +49,7 @@ def activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, tensor: int = 1,
                "minimal": matmul_outputs,
                "save_dots": matmul_outputs + scores * 4 + tokens * h * hd * c,
                "full": tokens * d * c,
-               "offload": 0}  # the layer inputs wait in host memory[cfg.remat_policy]
+               "offload": 0}[cfg.remat_policy]  # offload: the layer inputs wait in host memory
   chunk = t if loss_chunk <= 0 else min(loss_chunk, t)
   return {"saved": layers * per_layer,
           "working": everything + scores * 4 * 2,  # + float32 scores and their softmax (dense only)
