@@ -1,4 +1,5 @@
-"""The model's two matmuls, and the dtype policy they carry (docs/model.md#which-ops-run-in-which-dtype).
+"""The model's two matmuls, and the dtype policy they carry (docs/architecture.md#matmuls-carry-the-dtype-policy;
+which op runs in which dtype: docs/model.md#which-ops-run-in-which-dtype).
 
 Every matmul of the model, forward and backward, takes its operands in the compute dtype
 (ModelConfig.dtype) and accumulates in float32, asked for in the program itself (a float32 dot
