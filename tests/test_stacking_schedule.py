@@ -259,3 +259,27 @@ def test_the_shipped_cpu_stacking_jobs_warm_up_within_their_first_stage(gin_file
       gin_config.parse([path], [])
       config = gin_config.run_config_from_gin()
   assert config.stacking.num_stages > 1
+
+
+def test_the_paper_configs_warn_only_where_their_comment_says_why_and_names_the_fix():
+  # prop2/prop3 keep the baseline's 2,000-step warmup on purpose (one schedule for every arm); the
+  # others must start quietly, and a warning's file must explain it and give the first stage's length.
+  import glob  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  from midas_jax import gin_config  # pylint: disable=import-outside-toplevel
+  root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin", "experiments")
+  warned = {}
+  for path in sorted(glob.glob(os.path.join(root, "paper_*.gin"))):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always", checks.ScheduleWarning)
+      gin_config.parse([path], [])
+      config = gin_config.run_config_from_gin()
+    if any(issubclass(w.category, checks.ScheduleWarning) for w in caught):
+      st_ = config.stacking
+      first = sched.prop_alpha_steps(config.trainer.num_steps, st_.num_stages, st_.alpha, st_.start_blocks)[0]
+      warned[os.path.basename(path)] = first
+      with open(path) as f:
+        comment = f.read()
+      assert "ScheduleWarning, on purpose" in comment, path
+      assert f"--gin.OptimizerConfig.warmup_steps={first} " in comment, path
+  assert sorted(warned) == sorted(f"paper_{s}_midas_prop{a}.gin" for s in ("1b", "2b", "8b") for a in (2, 3))
