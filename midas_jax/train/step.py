@@ -31,7 +31,8 @@ def loss_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array,
   token_loss = lse - target_logit
   one_hot = jax.nn.one_hot(objective_ids, len(OBJECTIVES), dtype=jnp.float32) * weights[..., None]
   return {"loss": (token_loss * weights).sum(), "z": (jnp.square(lse) * weights).sum(), "tokens": weights.sum(),
-          # A sum of products, not an einsum: a float32 matmul in the step (docs/model.md#which-ops-run-in-which-dtype).
+          # A sum of products: as an einsum it would be a float32 matmul in a bfloat16 step, which
+          # tests/test_mixed_precision.py refuses (docs/model.md#which-ops-run-in-which-dtype).
           "objective_loss_sum": (token_loss[..., None] * one_hot).sum(axis=(0, 1)),
           "objective_weight_sum": one_hot.sum(axis=(0, 1))}
 
