@@ -295,12 +295,6 @@ def format_report(r: Dict[str, Any]) -> str:
               f"(aliased {_gib(c['alias'])}), temporaries {_gib(c['temp'])} "
               f"(activations, gradients, gathered weights); {c['kernel_calls']} Pallas kernel calls",
               f"  peak          {_gib(c['peak'])} (arguments + outputs - aliased + temporaries)"]
-    mm = c.get("matmuls")
-    if mm:
-      lines.append(f"matmuls         {mm['count']} in the optimized program, each counted once: "
-                   f"{mm['bfloat16_operand_share']:.1%} of their FLOPs on bfloat16 operands")
-      lines += [f"  {row['lhs']} x {row['rhs']} -> {row['result']:<9} {row['count']:>4} matmuls, "
-                f"{row['flop_share']:.1%} of FLOPs" for row in mm["by_dtypes"]]
   else:
     lines.append(f"analytic        {r['note']}")
   lines += [f"  analytic      gradients {_gib(a['gradients'])}, gathered weights {_gib(a['gathered_weights'])}, "
@@ -309,6 +303,12 @@ def format_report(r: Dict[str, Any]) -> str:
             f"logits {_gib(r['activation_parts']['logits'])}) -> total {_gib(a['total'])}"]
   if r["growth_peak_state"] is not None:
     lines.append(f"  last growth   old and new state side by side: {_gib(r['growth_peak_state'])}")
+  if r.get("compiled"):  # refused or analytic: no program to read
+    mm = r["compiled"]["matmuls"]
+    lines.append(f"matmuls         {mm['count']} in the optimized program, each counted once: "
+                 f"{mm['bfloat16_operand_share']:.1%} of their FLOPs on bfloat16 operands")
+    lines += [f"  {row['lhs']} x {row['rhs']} -> {row['result']:<9} {row['count']:>4} matmuls, "
+              f"{row['flop_share']:.1%} of FLOPs" for row in mm["by_dtypes"]]
   verdict = "unknown (no memory size for this target; pass --hbm_gib)" if r["fits"] is None else (
       f"{'fits' if r['fits'] else 'does NOT fit'} in {_gib(r['hbm'])} per device "
       f"({'the compiler refused it; analytic' if r.get('compile_error') else r['method']}: {_gib(r['total'])})")

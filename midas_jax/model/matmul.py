@@ -56,11 +56,11 @@ def _einsum(equation, x, w, dtype, result_dtype, name):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
 def _mixed(equation, dtype, result_dtype, input_dtypes, x, w):
-  del input_dtypes
-  return _accumulate(equation, x.astype(dtype), w.astype(dtype), result_dtype)
+  return _mixed_forward(equation, dtype, result_dtype, input_dtypes, x, w)[0]
 
 
 def _mixed_forward(equation, dtype, result_dtype, input_dtypes, x, w):
+  del input_dtypes  # the backward pass's
   x, w = x.astype(dtype), w.astype(dtype)
   return _accumulate(equation, x, w, result_dtype), (x, w)
 
