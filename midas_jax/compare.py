@@ -17,26 +17,27 @@ import numpy as np
 
 from midas_jax import fs
 from midas_jax.configs import RunConfig, StackingConfig
-from midas_jax.train import loop
+from midas_jax.data.objectives import OBJECTIVES
+from midas_jax.evals import figures
+from midas_jax.stacking.checks import schedule_for
+from midas_jax.train.checkpointer import NoCheckpointer
 from midas_jax.train.metrics import read_metrics
-from midas_jax.train.step import OBJECTIVES
-
-
-def full_depth() -> StackingConfig:
-  """No growth. Every field is passed explicitly: StackingConfig is a gin configurable, so a bare
-  StackingConfig(num_stages=1) would take the stacked job's bound stage_steps and be refused."""
-  return StackingConfig(**{**{f.name: f.default for f in dataclasses.fields(StackingConfig)}, "num_stages": 1})
+from midas_jax.train.run import TrainResult, train
+from midas_jax.train.workdir import prepare_workdir
 
 
 def run_pair(config: RunConfig) -> Dict[str, RunConfig]:
-  """{"baseline": full depth throughout, <operator>: the config's stacking}."""
+  """{"baseline": full depth throughout, <operator>: the config's stacking}, both checked (the
+  stacked arm's schedule fails here, before the baseline has trained)."""
   if config.stacking.num_stages == 1:
     raise ValueError("the config does not grow (StackingConfig.num_stages = 1): nothing to compare")
-  return {"baseline": dataclasses.replace(config, stacking=full_depth()),
-          config.stacking.operator: config}
+  pair = {"baseline": dataclasses.replace(config, stacking=StackingConfig()), config.stacking.operator: config}
+  for arm in pair.values():
+    schedule_for(arm)
+  return pair
 
 
-def summarize(name: str, result: loop.TrainResult) -> Dict[str, object]:
+def summarize(name: str, result: TrainResult) -> Dict[str, object]:
   evals = read_metrics(result.workdir, "eval")
   train_rows = read_metrics(result.workdir, "train")
   last_eval = evals[-1] if evals else {}
@@ -89,9 +90,7 @@ def markdown_table(rows: List[Dict[str, object]]) -> str:
 
 
 def plot_loss_vs_flops(rows: List[Dict[str, object]], growths: List[dict], path: str) -> None:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = figures.pyplot()
 
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for row in rows:
@@ -121,12 +120,11 @@ def plot_loss_vs_flops(rows: List[Dict[str, object]], growths: List[dict], path:
 def compare(config: RunConfig, workdir: str, operative_config: str = "",
             save_checkpoints: bool = True) -> Dict[str, object]:
   """save_checkpoints=False times training alone (the stacking benchmark)."""
-  workdir = loop.prepare_workdir(workdir)
+  workdir = prepare_workdir(workdir)
   rows, growths = [], []
   for name, cfg in run_pair(config).items():
-    checkpointer = None if save_checkpoints else loop.NoCheckpointer()
-    result = loop.train(cfg, fs.join(workdir, name), operative_config=operative_config,
-                        checkpointer=checkpointer)
+    checkpointer = None if save_checkpoints else NoCheckpointer()
+    result = train(cfg, fs.join(workdir, name), operative_config=operative_config, checkpointer=checkpointer)
     rows.append(summarize(name, result))
     growths = result.growths or growths
   baseline, stacked = rows

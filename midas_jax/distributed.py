@@ -17,6 +17,8 @@ import glob
 import os
 from typing import Mapping, Optional, Tuple
 
+import jax
+
 from midas_jax.errors import ConfigError, require
 
 ENV_VARS = {"coordinator_address": "MIDAS_COORDINATOR_ADDRESS", "num_processes": "MIDAS_NUM_PROCESSES",
@@ -141,7 +143,6 @@ def initialize(args: Optional[argparse.Namespace] = None) -> Plan:
   decided = plan(args)
   if not decided.multi_process:
     return decided
-  import jax  # pylint: disable=import-outside-toplevel
   if jax.distributed.is_initialized():
     return decided
   if decided.mode == "tpu_vm":

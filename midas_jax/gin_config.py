@@ -1,26 +1,30 @@
-"""gin at the edges: registers the config dataclasses and turns gin files and bindings into a RunConfig.
+"""gin at the edges: registers the config dataclasses and turns gin files and bindings into configs.
 
-Modules never read gin; only the entry points call `parse` and `run_config_from_gin`.
+Modules never read gin; only the entry points call `parse`, then `run_config_from_gin` or `build`.
+The config classes are registered with `gin.register`, which leaves the classes themselves alone:
+`ModelConfig(...)` means its defaults everywhere, whatever was parsed, and only a config built here
+(through gin's configurable version of the class) takes the bound values.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import difflib
 import inspect
 import logging
 import os
 import re
-from typing import Iterable, List, Sequence
+from typing import Iterable, List, Sequence, Type, TypeVar
 
 import gin
 
 from midas_jax import configs, fs
 from midas_jax.errors import ConfigError
-from midas_jax.stacking import checks as stacking_checks
 
-_registered = False
+T = TypeVar("T")
+_REGISTERED: List[type] = []  # every config class gin binds, in registration order
 
 
 def gin_search_paths() -> List[str]:
@@ -30,13 +34,19 @@ def gin_search_paths() -> List[str]:
   return [p for p in candidates if os.path.isdir(p)]
 
 
-def register_configurables() -> None:
-  global _registered
-  if _registered:
-    return
-  for cls in configs.CONFIG_CLASSES:
-    gin.configurable(cls, module="midas")
-  _registered = True
+def register(*classes: type) -> None:
+  """Makes config classes bindable by name (`ModelConfig.d_model = 256`), once each.
+
+  gin.register builds a configurable stand-in and returns the class unchanged, so binding a
+  setting never changes what a plain `ModelConfig()` is.
+  """
+  for cls in classes:
+    if cls not in _REGISTERED:
+      gin.register(cls, module="midas")
+      _REGISTERED.append(cls)
+
+
+register(*configs.CONFIG_CLASSES)
 
 
 def _resolve_file(path: str) -> str:
@@ -78,14 +88,14 @@ def _explain_gin_error(e: Exception) -> ConfigError:
   msg = str(e).split("\n")[0]
   m = re.search(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", msg)
   if m:
-    cls = next((c for c in configs.CONFIG_CLASSES if c.__name__ == m.group(1).split(".")[-1]), None)
+    cls = next((c for c in _REGISTERED if c.__name__ == m.group(1).split(".")[-1]), None)
     params = list(inspect.signature(cls).parameters) if cls else []
     hint = _suggest(m.group(2), params)
     return ConfigError(f"{m.group(1)}.{m.group(2)}", "unknown setting",
                        f"{hint + ' ' if hint else ''}valid settings: {', '.join(params)}")
   m = re.search(r"No configurable matching '([\w.]+)'", msg)
   if m:
-    names = [c.__name__ for c in configs.CONFIG_CLASSES]
+    names = [c.__name__ for c in _REGISTERED]
     hint = _suggest(m.group(1), names)
     return ConfigError(m.group(1), "unknown configurable",
                        f"{hint + ' ' if hint else ''}configurable classes: {', '.join(names)}")
@@ -109,7 +119,6 @@ def _quiet_include_search():
 
 def parse(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
   """Parses gin files (in order) then bindings (which override them)."""
-  register_configurables()
   gin.clear_config()
   for root in gin_search_paths():
     gin.add_config_file_search_path(root)
@@ -134,18 +143,19 @@ def _unwrap_config_error(e: Exception) -> None:
     cause = cause.__cause__ or cause.__context__
 
 
-def run_config_from_gin() -> configs.RunConfig:
-  """Builds the RunConfig from the parsed bindings; validation errors name the setting."""
-  register_configurables()
+def build(cls: Type[T]) -> T:
+  """A registered config class with the parsed bindings applied; a bad value's error names the setting."""
   try:
-    config = configs.RunConfig(model=configs.ModelConfig(), mesh=configs.MeshConfig(),
-                               optimizer=configs.OptimizerConfig(), data=configs.DataConfig(),
-                               trainer=configs.TrainerConfig(), stacking=configs.StackingConfig(),
-                               checkpoint=configs.CheckpointConfig())
-    return stacking_checks.validate(config)
-  except Exception as e:  # pylint: disable=broad-except
+    return gin.get_configurable(cls)()
+  except Exception as e:  # pylint: disable=broad-except  # gin wraps whatever the constructor raised
     _unwrap_config_error(e)
     raise
+
+
+def run_config_from_gin() -> configs.RunConfig:
+  """The RunConfig of the parsed bindings. Settings that need the stacking operators (the depth a
+  schedule reaches, stage lengths against warmups) are checked where a run starts: stacking/checks.py."""
+  return configs.RunConfig(**{f.name: build(f.default_factory) for f in dataclasses.fields(configs.RunConfig)})
 
 
 def operative_config() -> str:

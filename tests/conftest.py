@@ -26,6 +26,12 @@ def tiny_model(**overrides) -> configs.ModelConfig:
   return configs.ModelConfig(**base)
 
 
+def layer_config(cfg: configs.ModelConfig) -> configs.ModelConfig:
+  """The config one layer (a Block, outside a Decoder) runs with on CPU: the Decoder resolves
+  attention='auto' for its platform and hands that to its layers; on CPU it is dot_product."""
+  return dataclasses.replace(cfg, attention="dot_product" if cfg.attention == "auto" else cfg.attention)
+
+
 def tiny_run(model=None, mesh=None, optimizer=None, data=None, trainer=None) -> configs.RunConfig:
   return configs.RunConfig(
       model=model or tiny_model(),
@@ -108,7 +114,7 @@ def no_compile_cache(monkeypatch):
   persistent cache), not served from the session's cache by an earlier test's identical program."""
   import jax  # pylint: disable=import-outside-toplevel
   from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=import-outside-toplevel
-  monkeypatch.setenv("MIDAS_JAX_CACHE_DIR", "off")  # what cli.enable_compilation_cache reads
+  monkeypatch.setenv("MIDAS_JAX_CACHE_DIR", "off")  # what commands.common.enable_compilation_cache reads
   jax.config.update("jax_enable_compilation_cache", False)
   compilation_cache.reset_cache()  # jax decides once whether the cache is used; ask it again
   yield

@@ -9,7 +9,8 @@ import pytest
 
 from midas_jax import cli
 from midas_jax.errors import ConfigError
-from midas_jax.evals import anchor
+from midas_jax.studies import anchor_study, anchor_task as anchor
+from midas_jax.studies.anchor_config import AnchorStudyConfig
 
 # The definition, written out independently of the module: anchor -> its map on a key.
 MAPS = {1: lambda x: (x + 5) % 100, 2: lambda x: (x + 1) % 100, 3: lambda x: (x - 2) % 100,
@@ -67,9 +68,9 @@ def test_keys_cover_the_range_and_positions_evenly_enough():
 
 def test_study_config_is_checked():
   with pytest.raises(ConfigError, match="AnchorStudyConfig.gammas"):
-    anchor.AnchorStudyConfig(gammas=(0.0,))
+    AnchorStudyConfig(gammas=(0.0,))
   with pytest.raises(ConfigError, match="AnchorStudyConfig.num_heads"):
-    anchor.AnchorStudyConfig(d_model=10, num_heads=4)
+    AnchorStudyConfig(d_model=10, num_heads=4)
 
 
 # One stacked arm: its cell trains stage by stage through the same loop a fixed-depth cell runs once
@@ -107,11 +108,10 @@ def test_cli_trains_a_stacked_cell_scores_it_and_resumes(tmp_path, repo_root, ca
 
 
 def test_stage_plans_of_the_arms():
-  cfg = anchor.AnchorStudyConfig(steps=1000, stage_alpha=1.0)
-  from midas_jax.evals import anchor_train  # pylint: disable=import-outside-toplevel
-  assert anchor_train.stage_plan(cfg, "fixed", 4) == [(4, 1000)]
-  assert anchor_train.stage_plan(cfg, "midas", 4) == [(1, 100), (2, 200), (3, 300), (4, 400)]
-  assert anchor_train.stage_plan(cfg, "gradstack", 2) == [(1, 333), (2, 667)]
+  cfg = AnchorStudyConfig(steps=1000, stage_alpha=1.0)
+  assert anchor_study.stage_plan(cfg, "fixed", 4) == [(4, 1000)]
+  assert anchor_study.stage_plan(cfg, "midas", 4) == [(1, 100), (2, 200), (3, 300), (4, 400)]
+  assert anchor_study.stage_plan(cfg, "gradstack", 2) == [(1, 333), (2, 667)]
 
 
 def _cell(arm, seed, inferential, symmetric, seen=1.0):
@@ -120,23 +120,22 @@ def _cell(arm, seed, inferential, symmetric, seen=1.0):
 
 
 def test_the_grid_and_phase_diagram_have_a_row_per_arm_with_seed_means_and_ranges(tmp_path):
-  from midas_jax.evals import anchor_train  # pylint: disable=import-outside-toplevel
-  cfg = anchor.AnchorStudyConfig(gammas=(0.9,), depths=(4,), seeds=(0, 1), arms=("fixed", "midas", "gradstack"))
+  cfg = AnchorStudyConfig(gammas=(0.9,), depths=(4,), seeds=(0, 1), arms=("fixed", "midas", "gradstack"))
   cells = [_cell("fixed", 0, 0.1, 0.8), _cell("fixed", 1, 0.1, 0.6), _cell("midas", 0, 0.9, 0.0),
            _cell("midas", 1, 0.5, 0.2), _cell("gradstack", 0, 0.3, 0.3, seen=0.5), _cell("gradstack", 1, 0.3, 0.3)]
-  grid = anchor_train.summarize(cfg, cells)
+  grid = anchor_study.summarize(cfg, cells)
   assert [g["arm"] for g in grid] == ["fixed", "midas", "gradstack"]
   fixed, midas, gradstack = grid
   assert (fixed["symmetric"], fixed["seed_range"]["symmetric"], fixed["kind"]) == (pytest.approx(0.7), [0.6, 0.8],
                                                                                    "symmetric")
   assert (midas["inferential"], midas["kind"]) == (pytest.approx(0.7), "inferential")
   assert gradstack["kind"] == "unfit"  # mean seen accuracy 0.75 < fit_threshold
-  text = anchor_train.format_grid(cfg, grid)
+  text = anchor_study.format_grid(cfg, grid)
   for arm in cfg.arms:
     assert f"  {arm} depth 4 gamma 0.9: inferential" in text
   assert "0.10/0.70 1.00 symme" in text.splitlines()[1]
   path = str(tmp_path / "phase.png")
-  anchor_train.plot_phase_diagram(cfg, grid, path)
+  anchor_study.plot_phase_diagram(cfg, grid, path)
   assert os.path.getsize(path) > 1000
 
 
@@ -144,16 +143,15 @@ def test_growing_a_cell_copies_layers_and_their_adam_moments():
   """MIDAS from 2 one-layer blocks to 3: provenance [0, 0, 1]; every `layers` leaf is gathered, moments too."""
   import jax  # pylint: disable=import-outside-toplevel
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
-  from midas_jax.evals import anchor_train  # pylint: disable=import-outside-toplevel
   from midas_jax.model import Decoder  # pylint: disable=import-outside-toplevel
-  cfg = anchor.AnchorStudyConfig(d_model=16, d_ff=32, steps=10, warmup_steps=1)
-  model = Decoder(anchor_train.model_config(cfg, 0.5, 2))
-  shapes = jax.eval_shape(model.init, jax.random.key(0), anchor_train.decoder_batch(np.zeros((1, 8), np.int32)))
+  cfg = AnchorStudyConfig(d_model=16, d_ff=32, steps=10, warmup_steps=1)
+  model = Decoder(anchor_study.model_config(cfg, 0.5, 2))
+  shapes = jax.eval_shape(model.init, jax.random.key(0), anchor_study.decoder_batch(np.zeros((1, 8), np.int32)))
   distinct = lambda x: np.arange(x.size, dtype=np.float32).reshape(x.shape) / max(x.size, 1)  # noqa: E731
   params = jax.tree.map(distinct, nn.unbox(shapes["params"]))  # every entry differs, per layer too
-  tx = anchor_train.make_optimizer(cfg)
+  tx = anchor_study.make_optimizer(cfg)
   opt_state = jax.tree.map(lambda x: distinct(x) + 1 if getattr(x, "ndim", 0) else x, tx.init(params))  # moments
-  grown, grown_opt = anchor_train.grow(model, tx, params, opt_state, "midas")
+  grown, grown_opt = anchor_study.grow(model, tx, params, opt_state, "midas")
   old, new = jax.tree_util.tree_leaves_with_path(params), dict(jax.tree_util.tree_leaves_with_path(grown))
   layered = 0
   for path, leaf in old:

@@ -9,9 +9,9 @@ import pytest
 from conftest import tiny_model, tiny_run, ul2_rows
 from midas_jax import configs
 from midas_jax.errors import ConfigError
-from midas_jax.model import attention, describe_mask, make_attention_mask
+from midas_jax.model import attention, describe_mask, make_attention_mask, transformer
 from midas_jax.model.kernels import block_tables, flash_attention
-from midas_jax.train import experiment as experiment_lib
+from midas_jax.train import build as build_lib
 
 
 def _description(batch):
@@ -88,8 +88,12 @@ def test_auto_is_dot_product_on_cpu_and_flash_elsewhere():
   assert attention.resolve("auto", "cpu") == "dot_product"
   assert attention.resolve("auto", "tpu") == attention.resolve("auto", "gpu") == "flash"
   assert attention.resolve("dot_product", "tpu") == "dot_product"
-  exp = experiment_lib.build_experiment(tiny_run())
-  assert exp.model.cfg.attention == "dot_product" and exp.model_config.attention == "auto"  # config kept
+  build = build_lib.build_stage(tiny_run())
+  # The Decoder resolves it for its platform (the mesh's); the configs, and so checkpoints, keep "auto".
+  assert build.model.attention_implementation == "dot_product" and build.model.platform == "cpu"
+  assert build.model.cfg.attention == build.model_config.attention == "auto"
+  tpu = transformer.Decoder(build.model_config, platform="tpu")
+  assert tpu.attention_implementation == "flash"
 
 
 def test_bad_attention_settings_are_config_errors():
@@ -97,6 +101,6 @@ def test_bad_attention_settings_are_config_errors():
     tiny_model(attention="splash")
   rules = tuple((name, "tensor" if name == "length" else axes) for name, axes in configs.DEFAULT_RULES)
   config = tiny_run(model=tiny_model(attention="flash"), mesh=configs.MeshConfig(rules=rules))
-  exp = experiment_lib.build_experiment(config)
+  exp = build_lib.build_stage(config)
   with pytest.raises(ConfigError, match="MeshConfig.rules"), exp.context():
     exp.jit_train_step().lower(exp.layout.abstract, exp.device_batch(0))

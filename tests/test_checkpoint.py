@@ -12,11 +12,12 @@ import pytest
 
 from conftest import tiny_model
 from midas_jax import cli, configs
-from midas_jax.checkpoint import (OrbaxCheckpointer, available_steps, export_params, load_model,
+from midas_jax.checkpoint import (OrbaxCheckpointer, available_steps, export_run_params, load_model,
                                   write_params_export)
 from midas_jax.errors import ConfigError, NonFiniteLossError
-from midas_jax.stacking.controller import StageController
-from midas_jax.train import loop
+from midas_jax.stacking.checks import schedule_for
+from midas_jax.train.build import build_stage
+from midas_jax.train.run import train
 from midas_jax.train.metrics import read_metrics
 
 TRACKED = ("loss", "grad_norm", "learning_rate", "stage", "depth", "cumulative_flops", "loss/causal")
@@ -46,7 +47,7 @@ def reference(tmp_path_factory):
                                                      progress_bar=False, peak_flops_per_device=1e11,
                                                      microbatches=2, loss_chunk=16))
   workdir = str(tmp_path_factory.mktemp("reference"))
-  loop.train(config, workdir)
+  train(config, workdir)
   return config, workdir
 
 
@@ -88,7 +89,7 @@ def test_saves_land_at_the_interval_the_boundary_and_the_end_with_metadata(refer
 def test_resume_after_a_crash_is_bitwise_exact(reference, tmp_path, survivors):
   config, ref_dir = reference
   workdir = crashed_copy(ref_dir, tmp_path / "run", survivors)
-  result = loop.train(config, workdir)
+  result = train(config, workdir)
   assert result.start_step == max(survivors)
   assert_same_params(load_model(workdir).params, load_model(ref_dir).params)
   assert tracked(workdir) == tracked(ref_dir)  # every step once, the same values
@@ -105,7 +106,7 @@ def test_a_corrupt_latest_save_is_reported_and_skipped(reference, tmp_path, capf
       if not name.startswith("_"):
         with open(os.path.join(root, name), "r+b") as f:
           f.truncate(max(os.path.getsize(f.name) // 3, 1))
-  result = loop.train(config, workdir)
+  result = train(config, workdir)
   assert result.start_step == 4
   assert "step 6 is unusable" in capfd.readouterr().err
   assert any(name.startswith("corrupt-6") for name in os.listdir(os.path.join(workdir, "checkpoints")))
@@ -118,7 +119,7 @@ def test_a_different_config_is_refused_with_its_differences_unless_allowed(refer
   changed = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, learning_rate=1e-3),
                                 model=dataclasses.replace(config.model, d_ff=96))
   with pytest.raises(ConfigError) as err:
-    loop.train(changed, workdir)
+    train(changed, workdir)
   message = str(err.value)
   assert "optimizer.learning_rate: 0.003 -> 0.001" in message and "model.d_ff: 64 -> 96" in message
   assert "--allow_config_changes=model.d_ff,optimizer.learning_rate" in message
@@ -126,7 +127,7 @@ def test_a_different_config_is_refused_with_its_differences_unless_allowed(refer
   lr_only = dataclasses.replace(config, optimizer=changed.optimizer, mesh=configs.MeshConfig(data=2, fsdp=4),
                                 model=dataclasses.replace(config.model, attention="dot_product"),
                                 trainer=dataclasses.replace(config.trainer, log_every=2, microbatches=1, loss_chunk=0))
-  result = loop.train(lr_only, workdir, allow_config_changes=["optimizer.learning_rate"])
+  result = train(lr_only, workdir, allow_config_changes=["optimizer.learning_rate"])
   assert result.start_step == 4 and result.steps == 8
 
 
@@ -146,15 +147,14 @@ def test_restore_onto_a_different_mesh(tmp_path, save_devices, restore_devices):
   config = stacked_run(mesh=fsdp, stacking=configs.StackingConfig(),
                        trainer=configs.TrainerConfig(num_steps=2, log_every=1, eval_every=0,
                                                      progress_bar=False, peak_flops_per_device=1e11))
-  loop.train(config, str(tmp_path), devices=jax.devices()[:save_devices])
-  controller = StageController(config, jax.devices()[:restore_devices])
-  stage = controller.stage(1)
+  train(config, str(tmp_path), devices=jax.devices()[:save_devices])
+  build = build_stage(config, jax.devices()[:restore_devices])
   ckpt = OrbaxCheckpointer(str(tmp_path), config.checkpoint)
-  state = ckpt.restore(stage.experiment, 2)
+  state = ckpt.restore(build.layout, 2)
   ckpt.close()
   query = state.params["layers"]["attn"]["query"]
   assert len(query.sharding.device_set) == restore_devices
-  shardings = jax.tree.leaves(stage.experiment.layout.shardings)
+  shardings = jax.tree.leaves(build.layout.shardings)
   assert all(x.sharding == s for x, s in zip(jax.tree.leaves(state), shardings))
   assert_same_params(jax.device_get(state.params), load_model(str(tmp_path)).params)
 
@@ -164,16 +164,15 @@ def test_keep_policy_keeps_the_newest_and_every_mth(tmp_path):
                        trainer=configs.TrainerConfig(num_steps=10, log_every=1, eval_every=0,
                                                      progress_bar=False, peak_flops_per_device=1e11),
                        checkpoint=configs.CheckpointConfig(every=1, keep=2, keep_every=4))
-  loop.train(config, str(tmp_path))
+  train(config, str(tmp_path))
   assert available_steps(str(tmp_path)) == [4, 8, 9, 10]
 
 
 def test_non_finite_parameters_are_never_saved(reference, tmp_path):
   config, ref_dir = reference
-  controller = StageController(config)
-  stage = controller.stage(2)
+  build = build_stage(config, num_layers=schedule_for(config).depths[1])  # the depth of step 8's stage
   ckpt = OrbaxCheckpointer(ref_dir, config.checkpoint)
-  state = ckpt.restore(stage.experiment, 8)
+  state = ckpt.restore(build.layout, 8)
   ckpt.close()
   bad = state.replace(params=jax.tree.map(lambda x: x * np.nan, state.params))
   fresh = OrbaxCheckpointer(str(tmp_path), config.checkpoint)
@@ -185,7 +184,7 @@ def test_non_finite_parameters_are_never_saved(reference, tmp_path):
 
 def test_params_only_export_loads_without_the_optimizer(reference, tmp_path):
   config, ref_dir = reference
-  out = export_params(ref_dir, str(tmp_path / "export"), step=6)
+  out = export_run_params(ref_dir, str(tmp_path / "export"), step=6)
   assert sorted(os.listdir(out)) == ["metadata.json", "params"]
   model = load_model(out)
   assert (model.step, model.stage, model.model_config.num_layers) == (6, 2, 4)
@@ -201,11 +200,11 @@ def test_params_only_export_loads_without_the_optimizer(reference, tmp_path):
 
 def test_init_from_an_export_starts_a_new_run_from_its_parameters(reference, tmp_path):
   config, ref_dir = reference
-  out = export_params(ref_dir, str(tmp_path / "export"))
+  out = export_run_params(ref_dir, str(tmp_path / "export"))
   flat = stacked_run(stacking=configs.StackingConfig(), data=config.data,
                      trainer=dataclasses.replace(config.trainer, num_steps=2, eval_every=0))
-  scratch = loop.train(flat, str(tmp_path / "scratch"))
-  warm = loop.train(dataclasses.replace(flat, checkpoint=configs.CheckpointConfig(init_from=out)),
+  scratch = train(flat, str(tmp_path / "scratch"))
+  warm = train(dataclasses.replace(flat, checkpoint=configs.CheckpointConfig(init_from=out)),
                     str(tmp_path / "warm"))
   assert warm.start_step == 0
   first = read_metrics(str(tmp_path / "warm"), "train")[0]["loss"]
@@ -214,7 +213,7 @@ def test_init_from_an_export_starts_a_new_run_from_its_parameters(reference, tmp
   shallow = dataclasses.replace(flat, model=tiny_model(num_layers=2),
                                 checkpoint=configs.CheckpointConfig(init_from=out))
   with pytest.raises(ConfigError, match="CheckpointConfig.init_from"):
-    loop.train(shallow, str(tmp_path / "bad"))
+    train(shallow, str(tmp_path / "bad"))
 
 
 def test_bench_checkpoint_measures_size_and_stall(tmp_path, no_compile_cache):

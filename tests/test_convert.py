@@ -17,10 +17,11 @@ import pytest
 from conftest import tiny_model
 from midas_jax import cli, configs, convert
 from midas_jax.checkpoint import load_model
-from midas_jax.data.vocab import EOS_ID, make_vocabulary
+from midas_jax.data.vocab import EOS_ID
+from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import ConfigError
 from midas_jax.model import Decoder, dummy_batch
-from midas_jax.train import loop
+from midas_jax.train.run import train
 
 torch = pytest.importorskip("torch", reason="install the convert extra: pip install -e .[convert]")
 transformers = pytest.importorskip("transformers", reason="install the convert extra: pip install -e .[convert]")
@@ -111,7 +112,7 @@ def test_transformers_matches_our_logits_and_greedy_generation(case, tmp_path):
   params = random_params(cfg)
   run = configs.RunConfig(model=cfg, data=BYTE_DATA)
   out = str(tmp_path / "hf")
-  files = convert.export_params(params, cfg, run, out, "hf")
+  files = convert.write_export(params, cfg, run, out, "hf")
   assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md",
           "midas_jax.json"} <= set(files)
   assert not any(f.endswith((".bin", ".pt", ".pkl")) for f in files)  # no pickle
@@ -154,8 +155,8 @@ def test_torch_and_npz_formats_hold_the_same_weights(tmp_path):
   cfg = model_config(**CASES["gpt2"])
   params = random_params(cfg, seed=3)
   run = configs.RunConfig(model=cfg, data=BYTE_DATA)
-  convert.export_params(params, cfg, run, str(tmp_path / "torch"), "torch")
-  convert.export_params(params, cfg, run, str(tmp_path / "npz"), "npz")
+  convert.write_export(params, cfg, run, str(tmp_path / "torch"), "torch")
+  convert.write_export(params, cfg, run, str(tmp_path / "npz"), "npz")
   model = transformers.GPT2LMHeadModel(convert.to_hf_config(cfg)).eval()
   model.load_state_dict(load_file(str(tmp_path / "torch" / "model.safetensors")), strict=True)
   tokens = np.arange(3, 23)
@@ -207,7 +208,7 @@ def growing_run(tmp_path_factory):
       stacking=configs.StackingConfig(num_stages=2, stage_steps=(2, 1)),
       checkpoint=configs.CheckpointConfig(every=1, keep=10, async_save=False))
   workdir = str(tmp_path_factory.mktemp("growing"))
-  loop.train(config, workdir)
+  train(config, workdir)
   return workdir
 
 
@@ -290,7 +291,7 @@ def test_import_of_a_model_made_by_transformers(tmp_path):
 def test_export_refuses_what_transformers_cannot_compute(overrides, setting, tmp_path):
   cfg = model_config(num_layers=1, d_ff=16, **overrides)
   with pytest.raises(ConfigError, match=setting):
-    convert.export_params(zero_params(cfg), cfg, configs.RunConfig(model=cfg, data=BYTE_DATA), str(tmp_path), "hf")
+    convert.write_export(zero_params(cfg), cfg, configs.RunConfig(model=cfg, data=BYTE_DATA), str(tmp_path), "hf")
   assert not os.listdir(tmp_path)  # refused before writing anything
 
 

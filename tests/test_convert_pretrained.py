@@ -19,7 +19,7 @@ from midas_jax.checkpoint import load_model
 from midas_jax.convert import shards
 from midas_jax.data import corpus
 from midas_jax.errors import ConfigError
-from midas_jax.train import loop
+from midas_jax.train.run import train
 from test_convert import hf_logits, our_logits
 
 torch = pytest.importorskip("torch", reason="install the convert extra: pip install -e .[convert]")
@@ -149,7 +149,7 @@ def test_gpt2_with_its_bpe_trains_and_exports_sharded(gpt2_dir, text_files, tmp_
   loaded = _check_import(gpt2_dir, imported, specials)
   assert (loaded.vocab.eos_id, loaded.metadata["embedding_rows_added"]) == (0, 240)
   run = str(tmp_path / "run")
-  result = loop.train(_training(loaded, imported, text_files), run, devices=[jax_device()])
+  result = train(_training(loaded, imported, text_files), run, devices=[jax_device()])
   assert np.isfinite(result.final_loss)
   out = str(tmp_path / "hf")
   _cli(capsys, ["export", f"--workdir={run}", f"--out={out}", "--max_shard_size=60KB"])
@@ -180,7 +180,7 @@ def test_llama_with_its_sentencepiece_grows_from_its_depth(llama_dir, text_files
   config = gin_config.run_config_from_gin()
   assert config.checkpoint.init_from == imported and config.data.vocab == "tokenizers"
   run = tmp_path / "run"
-  result = loop.train(config, str(run), devices=[jax_device()])
+  result = train(config, str(run), devices=[jax_device()])
   assert [(g["from_depth"], g["to_depth"], g["provenance"]) for g in result.growths] == [(4, 6, [0, 1, 0, 1, 2, 3])]
   out = str(tmp_path / "hf")
   _cli(capsys, ["export", f"--workdir={run}", f"--out={out}"])
@@ -219,17 +219,17 @@ def test_qwen2_round_trip_and_bfloat16_export(tmp_path):
   ours = our_logits(f32, params, tokens)
   assert np.abs(ours - hf_logits(hf, tokens)).max() <= 1e-4
   run = configs.RunConfig(model=cfg, data=configs.DataConfig(extra_ids=21, seq_len=32))
-  convert.export_params(params, cfg, run, str(tmp_path / "out"), "hf")
+  convert.write_export(params, cfg, run, str(tmp_path / "out"), "hf")
   back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
   assert type(back).__name__ == "Qwen2ForCausalLM"
   assert np.abs(hf_logits(back, tokens) - ours).max() <= 1e-4
   again, again_cfg = convert.load_hf(str(tmp_path / "out"), base=cfg)
   assert again_cfg == cfg and all(np.array_equal(a, b) for a, b in zip(_leaves(params), _leaves(again)))
   with pytest.raises(ConfigError, match="387 ids"):  # a byte vocabulary with 128 extra ids needs more rows
-    convert.export_params(params, cfg, dataclasses.replace(run, data=configs.DataConfig(seq_len=32)),
+    convert.write_export(params, cfg, dataclasses.replace(run, data=configs.DataConfig(seq_len=32)),
                           str(tmp_path / "refused"), "hf")
   assert not (tmp_path / "refused").exists()
-  convert.export_params(params, cfg, run, str(tmp_path / "bf16"), "hf", dtype="bfloat16")
+  convert.write_export(params, cfg, run, str(tmp_path / "bf16"), "hf", dtype="bfloat16")
   half = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16")).eval()
   assert half.dtype == torch.bfloat16
   with torch.no_grad():

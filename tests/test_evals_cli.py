@@ -11,7 +11,7 @@ from conftest import replace, tiny_model, tiny_run
 from midas_jax import cli, configs
 from midas_jax.checkpoint import load_model, write_params_export
 from midas_jax.evals import primitives, suites
-from midas_jax.train.loop import train
+from midas_jax.train.run import train
 
 STEPS = 6
 EVAL_FLAGS = ["--k_shot=1", "--num_examples=4", "--finetune_examples=8", "--finetune_steps=3", "--loop_repeats=2",

@@ -114,7 +114,7 @@ def test_block_size_must_divide_the_depth():
 def midas_run(tmp_path_factory):
   """A tiny MIDAS run: 2 blocks of 2 layers, grown at step 2; saves at 2 (the growth) and 4."""
   from midas_jax import configs  # pylint: disable=import-outside-toplevel
-  from midas_jax.train import loop  # pylint: disable=import-outside-toplevel
+  from midas_jax.train.run import train  # pylint: disable=import-outside-toplevel
   config = configs.RunConfig(
       model=tiny_model(num_layers=4),
       optimizer=configs.OptimizerConfig(learning_rate=3e-3, warmup_steps=2),
@@ -124,7 +124,7 @@ def midas_run(tmp_path_factory):
       stacking=configs.StackingConfig(num_stages=2, block_size=2, stage_steps=(2, 2), operator="midas"),
       checkpoint=configs.CheckpointConfig(every=2, keep=10))
   workdir = str(tmp_path_factory.mktemp("midas_run"))
-  loop.train(config, workdir, devices=jax.devices()[:1])  # one device: the suites, not sharding, are tested here
+  train(config, workdir, devices=jax.devices()[:1])  # one device: the suites, not sharding, are tested here
   return workdir
 
 

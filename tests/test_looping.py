@@ -8,18 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_model, tiny_run
+from conftest import layer_config, tiny_model, tiny_run
 from midas_jax import configs
 from midas_jax.errors import ConfigError
-from midas_jax.model import Decoder, describe_mask, dummy_batch, looping
+from midas_jax.model import Decoder, describe_mask, dummy_batch, layer_order
 from midas_jax.model.layers import Block, Norm
-from midas_jax.train import loop
+from midas_jax.train.run import train
 from midas_jax.train.metrics import read_metrics
 
 
 def test_loop_order_and_middle_block():
-  assert looping.loop_order(5, 1, 2, 3).tolist() == [0, 1, 2, 1, 2, 1, 2, 3, 4]
-  assert [looping.middle_block(n * 2, 2) for n in range(1, 7)] == [0, 0, 2, 2, 4, 4]  # block ceil(n/2)
+  assert layer_order.loop_order(5, 1, 2, 3).tolist() == [0, 1, 2, 1, 2, 1, 2, 3, 4]
+  assert [layer_order.middle_block(n * 2, 2) for n in range(1, 7)] == [0, 0, 2, 2, 4, 4]  # block ceil(n/2)
   with pytest.raises(ConfigError, match="ModelConfig.loop_repeats"):
     tiny_model(num_layers=2, loop_start=1, loop_size=2, loop_repeats=2)
 
@@ -28,15 +28,15 @@ def _per_layer_forward(cfg, params, batch, order):
   mask = describe_mask(batch["segment_ids"], batch["positions"], batch["prefix_mask"])
   x = Decoder(cfg).apply({"params": params}, batch["inputs"], batch["positions"], method=Decoder.embed)
   for i in order:
-    x, _ = Block(cfg).apply({"params": jax.tree.map(lambda p: p[i], params["layers"])}, x, batch["positions"], mask)
+    x, _ = Block(layer_config(cfg)).apply({"params": jax.tree.map(lambda p: p[i], params["layers"])}, x, batch["positions"], mask)
   x = Norm(cfg).apply({"params": params["final_norm"]}, x)
   return jnp.einsum("btd,vd->btv", x, params["embedding"])
 
 
 def test_looped_forward_repeats_the_tied_block_and_its_gradient_sums():
   base = tiny_model(num_layers=3).with_vocab(300)
-  looped = looping.loop_middle_block(base, block_size=1, repeats=3)  # 3 blocks of 1: middle is layer 1
-  assert looping.order_for(looped).tolist() == [0, 1, 1, 1, 2]
+  looped = layer_order.loop_middle_block(base, block_size=1, repeats=3)  # 3 blocks of 1: middle is layer 1
+  assert layer_order.order_for(looped).tolist() == [0, 1, 1, 1, 2]
   batch = dummy_batch(2, 16)
   batch["inputs"] = jax.random.randint(jax.random.key(1), (2, 16), 3, 250)
   params = Decoder(base).init(jax.random.key(0), batch)["params"]
@@ -75,7 +75,7 @@ def test_training_a_looped_model_and_growing_it(tmp_path):
       tiny_run(model=model, trainer=configs.TrainerConfig(num_steps=6, log_every=1, eval_every=0,
                                                           progress_bar=False, peak_flops_per_device=1e11)),
       stacking=configs.StackingConfig(num_stages=2, stage_steps=(3, 3)))
-  result = loop.train(config, str(tmp_path))
+  result = train(config, str(tmp_path))
   assert [g["step"] for g in result.growths] == [3]
   rows = read_metrics(str(tmp_path), "train")
   assert rows[-1]["loss"] < rows[0]["loss"]

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from conftest import tiny_model, tiny_run, ul2_rows
+from conftest import layer_config, tiny_model, tiny_run, ul2_rows
 from midas_jax import configs
 from midas_jax.bench import dot_dtypes
 from midas_jax.model import attention, describe_mask, transformer
 from midas_jax.model.matmul import dot_to_float32
-from midas_jax.train import experiment as experiment_lib
+from midas_jax.train import build as build_lib
 
 BF16, F32 = "bfloat16", "float32"
 
@@ -25,7 +25,7 @@ def _train_step_dots(dtype, attention_impl="dot_product", remat="full"):
   run = tiny_run(model=tiny_model(dtype=dtype, remat_policy=remat, tie_embeddings=False, attention=attention_impl),
                  trainer=configs.TrainerConfig(num_steps=2, log_every=1, eval_every=0, progress_bar=False,
                                                loss_chunk=16))
-  exp = experiment_lib.build_experiment(run)
+  exp = build_lib.build_stage(run)
   with exp.context():
     text = exp.jit_train_step().lower(exp.layout.abstract, exp.device_batch(0)).as_text()
   return dot_dtypes.stablehlo_dots(text)
@@ -49,7 +49,7 @@ def test_the_float32_step_stays_float32():
 def _saved_for_backward(dtype, policy, capsys):
   """The sizes of what one remat'd layer keeps for its backward pass, as jax reports them (sizes, not
   shapes: a dot_general's own output may be a transposition of the einsum's)."""
-  cfg = tiny_model(dtype=dtype, remat_policy=policy).with_vocab(64)
+  cfg = layer_config(tiny_model(dtype=dtype, remat_policy=policy).with_vocab(64))
   block = transformer.block_class(cfg)(cfg)
   positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
   mask = describe_mask(jnp.ones((2, 16), jnp.int32), positions, jnp.zeros((2, 16), bool))

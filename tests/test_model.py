@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_model
+from conftest import layer_config, tiny_model
 from midas_jax.data.packing import Example, pack_row, stack_rows
 from midas_jax.model import Decoder, describe_mask, dummy_batch, make_attention_mask
 from midas_jax.model.layers import Block, Norm
@@ -117,7 +117,7 @@ def test_scanned_forward_equals_per_layer_forward():
   x = model.apply(variables, batch["inputs"], batch["positions"], method=Decoder.embed)
   for i in range(cfg.num_layers):
     layer = jax.tree.map(lambda p: p[i], params["layers"])
-    x, _ = Block(cfg).apply({"params": layer}, x, batch["positions"], mask)
+    x, _ = Block(layer_config(cfg)).apply({"params": layer}, x, batch["positions"], mask)
   x = Norm(cfg).apply({"params": params["final_norm"]}, x)
   logits = jnp.einsum("btd,vd->btv", x, params["embedding"])
   np.testing.assert_allclose(expected, logits, atol=1e-5)

@@ -12,7 +12,7 @@ from conftest import tiny_model
 from midas_jax.configs import OptimizerConfig
 from midas_jax.errors import ConfigError
 from midas_jax.model import Decoder, dummy_batch
-from midas_jax.train.optimizer import learning_rate_schedule, make_optimizer, weight_decay_mask
+from midas_jax.optimizer import learning_rate_schedule, make_optimizer, weight_decay_mask
 
 PEAK = 1e-2
 

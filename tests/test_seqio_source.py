@@ -21,7 +21,7 @@ from midas_jax.data import c4, corpus, seqio_source, seqio_tasks  # noqa: E402
 from midas_jax.data.pipeline import tokenize_documents  # noqa: E402
 from midas_jax.data.vocab import ByteVocabulary, SentencePieceVocabulary, train_sentencepiece  # noqa: E402
 from midas_jax.errors import ConfigError  # noqa: E402
-from midas_jax.train import loop  # noqa: E402
+from midas_jax.train.run import train  # noqa: E402
 
 BYTES = ByteVocabulary(extra_ids=128)
 
@@ -148,7 +148,7 @@ def test_missing_split_and_missing_task_model(tmp_path):
 @pytest.fixture
 def clean_gin():
   yield
-  gin.clear_config()  # DataConfig is a gin configurable: bindings would leak into later tests
+  gin.clear_config()  # the parsed bindings (and the task's import) are this test's alone
 
 
 def test_c4_gin_file_registers_the_task_by_import(monkeypatch, spm_models, clean_gin):
@@ -169,7 +169,7 @@ def test_train_three_steps_on_a_seqio_source(tmp_path, monkeypatch):
   data = _config("midas_src_train", seq_len=32, batch_size=8, max_documents=200)
   trainer = configs.TrainerConfig(num_steps=3, log_every=1, eval_every=0, eval_batches=1,
                                   progress_bar=False, peak_flops_per_device=1e11)
-  result = loop.train(tiny_run(data=data, trainer=trainer), str(tmp_path / "run"))
+  result = train(tiny_run(data=data, trainer=trainer), str(tmp_path / "run"))
   assert np.isfinite(result.final_loss)
   lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert len(lines) >= 3

@@ -11,19 +11,19 @@ import pytest
 from conftest import REPO_ROOT, tiny_model, tiny_run
 from midas_jax import configs, gin_config, sharding
 from midas_jax.errors import ConfigError
-from midas_jax.train.experiment import build_experiment
+from midas_jax.train.build import build_stage
 
 
 def mesh_from_gin(name: str) -> configs.MeshConfig:
   gin_config.parse([os.path.join(REPO_ROOT, "gin", "meshes", name)], [])
   try:
-    return configs.MeshConfig()
+    return gin_config.build(configs.MeshConfig)
   finally:
     gin.clear_config()
 
 
 def run_steps(config, devices, steps=3):
-  exp = build_experiment(config, devices=devices)
+  exp = build_stage(config, devices=devices)
   state = exp.init_state()
   losses = []
   with exp.context():
@@ -52,14 +52,14 @@ def test_same_losses_on_one_and_eight_devices(mesh_file, attention):
 
 def test_state_is_created_sharded_by_the_rules():
   config = tiny_run(mesh=mesh_from_gin("fsdp.gin"))
-  exp = build_experiment(config)
+  exp = build_stage(config)
   state = exp.init_state()
   query = state.params["layers"]["attn"]["query"]  # [layers, embed, heads, kv]
   assert query.sharding.spec[1] == "fsdp"
   assert query.addressable_shards[0].data.shape == (2, 32 // 8, 4, 8)  # embed split 8 ways
   mu = state.opt_state[1][0].mu["layers"]["attn"]["query"]  # clip, then adamw's scale_by_adam
   assert mu.sharding == query.sharding
-  tensor = build_experiment(tiny_run(mesh=mesh_from_gin("tensor.gin")))
+  tensor = build_stage(tiny_run(mesh=mesh_from_gin("tensor.gin")))
   gate = tensor.init_state().params["layers"]["mlp"]["gate"]
   assert gate.sharding.spec[2] == "tensor"
   assert gate.addressable_shards[0].data.shape == (2, 32, 64 // 2)  # mlp split over tensor=2
@@ -77,10 +77,10 @@ def test_mesh_shape_resolution_and_errors():
 
 def test_shapes_that_do_not_divide_the_mesh_are_refused_before_compiling():
   with pytest.raises(ConfigError, match="ModelConfig.num_kv_heads"):
-    build_experiment(tiny_run(model=tiny_model(num_heads=4, num_kv_heads=1),
+    build_stage(tiny_run(model=tiny_model(num_heads=4, num_kv_heads=1),
                               mesh=configs.MeshConfig(data=-1, tensor=2)))
   with pytest.raises(ConfigError, match="DataConfig.batch_size"):
-    build_experiment(tiny_run(data=configs.DataConfig(seq_len=32, batch_size=12)))
+    build_stage(tiny_run(data=configs.DataConfig(seq_len=32, batch_size=12)))
 
 
 def test_multi_slice_meshes_put_each_slice_in_one_block_of_its_axis():

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import tiny_model, tiny_run
+from conftest import layer_config, tiny_model, tiny_run
 from midas_jax import configs, sharding
 from midas_jax.errors import ConfigError
 from midas_jax.model import Decoder, describe_mask, dummy_batch
 from midas_jax.model.layers import Block, Norm
 from midas_jax.stacking.grow import grow_tree, layers_axis, make_grower
-from midas_jax.train.experiment import build_experiment
-from midas_jax.train.state import TrainState
+from midas_jax.train.build import build_stage
+from midas_jax.train_state import TrainState
 
 # MIDAS on 2 blocks of 2 layers: the first block copied and inserted after itself.
 PROV = np.array([0, 1, 0, 1, 2, 3])
@@ -59,7 +59,7 @@ def run():
   """A 4-layer model trained 2 steps on the 8-device FSDP mesh (Adam moments non-zero), its host copy,
   and experiments for the grown depth on 8 devices and on 1."""
   config = tiny_run(model=tiny_model(num_layers=4), mesh=FSDP)
-  exp = build_experiment(config)
+  exp = build_stage(config)
   state = exp.init_state()
   with exp.context():
     step = exp.jit_train_step()
@@ -67,9 +67,9 @@ def run():
       state, _ = step(state, exp.device_batch(s))
   single = tiny_run(model=config.model, mesh=configs.MeshConfig())
   return dict(config=config, exp=exp, host=to_host(state),
-              exp1=build_experiment(single, devices=jax.devices()[:1]),
-              new=build_experiment(config, num_layers=len(PROV)),
-              new1=build_experiment(single, devices=jax.devices()[:1], num_layers=len(PROV)))
+              exp1=build_stage(single, devices=jax.devices()[:1]),
+              new=build_stage(config, num_layers=len(PROV)),
+              new1=build_stage(single, devices=jax.devices()[:1], num_layers=len(PROV)))
 
 
 def grown(run, prov=PROV, new_moments="copy", devices=8, fresh=None):
@@ -154,7 +154,7 @@ def test_grown_forward_equals_per_layer_forward_with_gathered_weights(run):
     x = Decoder(cfg).apply({"params": old}, batch["inputs"], batch["positions"], method=Decoder.embed)
     for source in PROV:
       layer = jax.tree.map(lambda p: p[source], old["layers"])
-      x, _ = Block(cfg).apply({"params": layer}, x, batch["positions"], mask)
+      x, _ = Block(layer_config(cfg)).apply({"params": layer}, x, batch["positions"], mask)
     x = Norm(cfg).apply({"params": old["final_norm"]}, x)
     return jnp.einsum("btd,vd->btv", x, old["embedding"])
 
@@ -181,7 +181,7 @@ def adafactor_run(num_layers, mesh=None):
 def test_adafactor_factored_moments_keep_the_param_axes_they_do_not_reduce():
   # optax factors the two largest axes (>= 128), not necessarily the last two: the query kernel
   # [layers, embed=256, heads=2, kv=128] drops embed from v_row and kv from v_col.
-  layout = build_experiment(adafactor_run(2), devices=jax.devices()[:1]).layout
+  layout = build_stage(adafactor_run(2), devices=jax.devices()[:1]).layout
   factored = layout.logical.opt_state[1][0]
   shapes = layout.abstract.opt_state[1][0]
   assert shapes.v_row["layers"]["attn"]["query"].shape == (2, 2, 128)
@@ -196,10 +196,10 @@ def test_adafactor_factored_moments_keep_the_param_axes_they_do_not_reduce():
   assert factored.v["layers"]["attn_norm"]["scale"] == P("layers", "embed")
   assert factored.v_row["layers"]["attn_norm"]["scale"] == P() == factored.v["layers"]["attn"]["query"]
   # At depth 1 a [1, embed] scale minus its embed axis has the placeholder's shape: still replicated.
-  one = build_experiment(adafactor_run(1), devices=jax.devices()[:1]).layout.logical.opt_state[1][0]
+  one = build_stage(adafactor_run(1), devices=jax.devices()[:1]).layout.logical.opt_state[1][0]
   assert one.v_row["layers"]["attn_norm"]["scale"] == P()
   # On the FSDP mesh the factored moments are sharded like their params.
-  fsdp = build_experiment(adafactor_run(2, FSDP)).layout.shardings.opt_state[1][0]
+  fsdp = build_stage(adafactor_run(2, FSDP)).layout.shardings.opt_state[1][0]
   assert fsdp.v_col["layers"]["attn"]["query"].spec[1] == "fsdp"  # [layers, embed, heads]
 
 
@@ -216,14 +216,14 @@ def test_mirror_param_specs_on_equal_sizes_replicates_only_the_ambiguous_entries
 
 def test_adafactor_moments_grow_too():
   config = adafactor_run(2)
-  exp = build_experiment(config, devices=jax.devices()[:1])
+  exp = build_stage(config, devices=jax.devices()[:1])
   state = exp.init_state()
   with exp.context():
     step = exp.jit_train_step()
     state, _ = step(state, exp.device_batch(0))
   old = to_host(state)
   prov = np.array([0, 1, 0, 1])
-  new = build_experiment(config, devices=jax.devices()[:1], num_layers=len(prov))
+  new = build_stage(config, devices=jax.devices()[:1], num_layers=len(prov))
   grown_state = to_host(make_grower(exp.layout, new.layout, prov)(state))
   logical = exp.layout.logical
   assert_trees_equal(grown_state, grow_host(old, logical, prov))

@@ -110,9 +110,9 @@ def test_a_schedule_can_start_from_a_deeper_model():
   assert s.stage_steps == (200, 300, 400)  # proportional to the blocks of each stage: 2, 3, 4
   run = configs.RunConfig(model=dataclasses.replace(MODEL, num_layers=8),
                           trainer=configs.TrainerConfig(num_steps=900), stacking=stacking)
-  assert checks.validate(run) is run
+  assert checks.schedule_for(run) == s
   with pytest.raises(ConfigError, match="start_blocks") as e:
-    checks.validate(dataclasses.replace(run, stacking=dataclasses.replace(stacking, block_size=2, start_blocks=3)))
+    checks.schedule_for(dataclasses.replace(run, stacking=dataclasses.replace(stacking, block_size=2, start_blocks=3)))
   assert e.value.setting == "StackingConfig.num_stages" and "num_stages=2" in e.value.fix
   with pytest.raises(ConfigError, match="StackingConfig.start_blocks"):
     configs.StackingConfig(start_blocks=0)
@@ -163,10 +163,13 @@ def test_speedups_refuse_a_schedule_for_another_depth():
 
 
 def run(layers=8, steps=100, warmup=10, **stacking):
-  return checks.validate(configs.RunConfig(model=configs.ModelConfig(num_layers=layers),
-                                           optimizer=configs.OptimizerConfig(warmup_steps=warmup),
-                                           trainer=configs.TrainerConfig(num_steps=steps),
-                                           stacking=configs.StackingConfig(**stacking)))
+  """A run config with these stacking settings, after its schedule was checked (schedule_for)."""
+  config = configs.RunConfig(model=configs.ModelConfig(num_layers=layers),
+                             optimizer=configs.OptimizerConfig(warmup_steps=warmup),
+                             trainer=configs.TrainerConfig(num_steps=steps),
+                             stacking=configs.StackingConfig(**stacking))
+  checks.schedule_for(config)
+  return config
 
 
 def test_run_config_accepts_good_stacking():
@@ -249,7 +252,7 @@ def test_a_warmup_longer_than_the_first_stage_is_warned_about_naming_the_setting
                                       "study_stacking_cpu.gin"])
 def test_the_shipped_cpu_stacking_jobs_warm_up_within_their_first_stage(gin_file):
   from midas_jax import gin_config  # pylint: disable=import-outside-toplevel
-  from midas_jax.evals import study_commands  # pylint: disable=import-outside-toplevel
+  from midas_jax.commands import study_commands  # pylint: disable=import-outside-toplevel
   path = f"experiments/{gin_file}"
   with warnings.catch_warnings():
     warnings.simplefilter("error", checks.ScheduleWarning)
@@ -258,6 +261,7 @@ def test_the_shipped_cpu_stacking_jobs_warm_up_within_their_first_stage(gin_file
     else:
       gin_config.parse([path], [])
       config = gin_config.run_config_from_gin()
+      checks.schedule_for(config)  # where `midas train` checks it
   assert config.stacking.num_stages > 1
 
 
@@ -274,6 +278,7 @@ def test_the_paper_configs_warn_only_where_their_comment_says_why_and_names_the_
       warnings.simplefilter("always", checks.ScheduleWarning)
       gin_config.parse([path], [])
       config = gin_config.run_config_from_gin()
+      checks.schedule_for(config)  # where `midas train` checks it
     if any(issubclass(w.category, checks.ScheduleWarning) for w in caught):
       st_ = config.stacking
       first = sched.prop_alpha_steps(config.trainer.num_steps, st_.num_stages, st_.alpha, st_.start_blocks)[0]

@@ -9,7 +9,7 @@ import pytest
 
 from midas_jax import cli, configs
 from midas_jax.errors import ConfigError
-from midas_jax.evals import stacking_study, stacking_study_page
+from midas_jax.studies import stacking_study, stacking_study_page
 from midas_jax.stacking.schedule import cumulative_flops, schedule_from_config
 
 TINY = ["--gin.ModelConfig.d_model=32", "--gin.ModelConfig.num_layers=2", "--gin.ModelConfig.num_heads=2",
@@ -21,7 +21,7 @@ TINY = ["--gin.ModelConfig.d_model=32", "--gin.ModelConfig.num_layers=2", "--gin
         "--gin.OptimizerConfig.warmup_steps=1", "--gin.StackingStudyConfig.seeds=[1]",
         "--gin.StackingStudyConfig.k_shot=1", "--gin.StackingStudyConfig.score_examples=4",
         "--gin.StackingStudyConfig.tasks=['assignment_depth0', 'copying']",
-        # Every arm trains through the same loop.train; what differs is its config, which
+        # Every arm trains through the same train(); what differs is its config, which
         # test_every_arm_is_the_run_config_with_its_own_depth_steps_and_seed checks without training.
         "--gin.StackingStudyConfig.arms=['midas']"]
 
@@ -60,8 +60,8 @@ def test_the_study_trains_a_stacked_arm_measures_growth_on_its_own_batches_and_s
 
 def test_every_arm_is_the_run_config_with_its_own_depth_steps_and_seed(repo_root):
   """The default study's four arms, as train_cell trains them: the cut baseline spends MIDAS's FLOPs."""
-  from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
-  from midas_jax.evals.study_commands import stacking_study_from_gin  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.vocabularies import make_vocabulary  # pylint: disable=import-outside-toplevel
+  from midas_jax.commands.study_commands import stacking_study_from_gin  # pylint: disable=import-outside-toplevel
   # Stage lengths bound in gin (Prop-1's own here) must not reach the baselines' StackingConfig.
   gin_file = os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")
   run, study, _ = stacking_study_from_gin([gin_file], ["StackingConfig.stage_steps = (12, 24, 36, 48)"])
@@ -91,7 +91,7 @@ def test_every_arm_is_the_run_config_with_its_own_depth_steps_and_seed(repo_root
 
 
 def test_a_rerun_reuses_the_cells_of_equal_settings_only(tmp_path, repo_root):
-  from midas_jax.evals.study_commands import stacking_study_from_gin  # pylint: disable=import-outside-toplevel
+  from midas_jax.commands.study_commands import stacking_study_from_gin  # pylint: disable=import-outside-toplevel
   # pylint: disable=protected-access
   settings, read, write = stacking_study._settings, stacking_study._read_cells, stacking_study._write_cells
   gin_file = os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")

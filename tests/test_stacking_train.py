@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO_ROOT, tiny_model
 from midas_jax import cli, configs
-from midas_jax.train import loop
+from midas_jax.train.run import train
 from midas_jax.train.metrics import read_metrics
 
 
@@ -27,7 +27,7 @@ def stacked_run(operator="midas", **stacking):
 @pytest.mark.parametrize("operator, provenance", [("midas", [0, 1, 0, 1]), ("gradstack", [0, 1, 0, 1])])
 def test_two_stage_run_grows_at_the_boundary(tmp_path, capsys, operator, provenance):
   config = stacked_run(operator, num_stages=2, stage_steps=(3, 5))
-  result = loop.train(config, str(tmp_path))
+  result = train(config, str(tmp_path))
   rows = read_metrics(str(tmp_path), "train")
   assert [r["depth"] for r in rows] == [2, 2, 2, 4, 4, 4, 4, 4]
   assert [r["stage"] for r in rows] == [1, 1, 1, 2, 2, 2, 2, 2]
@@ -49,11 +49,11 @@ def test_two_stage_run_grows_at_the_boundary(tmp_path, capsys, operator, provena
 
 def test_rewarm_restarts_the_learning_rate_after_growth(tmp_path):
   config = stacked_run("midas", num_stages=2, stage_steps=(4, 4), lr_schedule="rewarm", rewarm_steps=2)
-  loop.train(config, str(tmp_path))
+  train(config, str(tmp_path))
   lr = [r["learning_rate"] for r in read_metrics(str(tmp_path), "train")]
   assert lr[4] < lr[3] and lr[5] > lr[4]  # step 4 is the first of stage 2: half-way up the ramp
   global_run = stacked_run("midas", num_stages=2, stage_steps=(4, 4))
-  loop.train(global_run, str(tmp_path / "global"))
+  train(global_run, str(tmp_path / "global"))
   lr_global = [r["learning_rate"] for r in read_metrics(str(tmp_path / "global"), "train")]
   assert lr_global[4] == pytest.approx(2 * lr[4], rel=1e-5) and lr_global[5] == pytest.approx(lr[5], rel=1e-5)
 
@@ -90,7 +90,7 @@ def test_compare_trains_the_pair_and_writes_table_and_plot(tmp_path):
 
 def test_a_registered_operator_runs_through_the_trainer(tmp_path):
   """fresh_block (an extension example) appends a freshly initialized block: provenance -1."""
-  result = loop.train(stacked_run("fresh_block", num_stages=2, stage_steps=(3, 5)), str(tmp_path))
+  result = train(stacked_run("fresh_block", num_stages=2, stage_steps=(3, 5)), str(tmp_path))
   assert result.growths[0]["provenance"] == [0, 1, -1, -1]
   rows = read_metrics(str(tmp_path), "train")
   assert rows[-1]["depth"] == 4 and np.isfinite(rows[-1]["loss"])

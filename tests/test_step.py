@@ -14,7 +14,7 @@ import pytest
 from conftest import tiny_model, tiny_run, ul2_rows
 from midas_jax import configs, sharding
 from midas_jax.errors import ConfigError
-from midas_jax.train import experiment as experiment_lib, step as step_lib
+from midas_jax.train import build as build_lib, step as step_lib
 
 
 def _relative(a, b):
@@ -81,7 +81,7 @@ def test_microbatches_give_the_full_batch_loss_gradients_and_per_objective_sums(
   # One packed UL2 batch on a data 2 x fsdp 2 x tensor 2 mesh, the loss in 2 chunks of 16 positions:
   # 16 rows in one pass, and as 4 microbatches of 4. Random parameters: both must compute the same function.
   mesh = sharding.make_mesh(MESH_RUN.mesh)
-  model, _, _, rules, layout = experiment_lib.model_and_layout(MESH_RUN, mesh, MESH_RUN.model)
+  model, _, _, rules, layout = build_lib.model_and_layout(MESH_RUN, mesh, MESH_RUN.model)
   rng = np.random.default_rng(0)
   params = jax.device_put(jax.tree.map(lambda a: rng.normal(0, 0.2, a.shape).astype(np.float32),
                                        layout.abstract.params), layout.shardings.params)
@@ -108,4 +108,4 @@ def test_microbatches_that_do_not_divide_are_config_errors():
   # 16 rows over data x fsdp = 4 devices: 4 per device do not split into 8 microbatches.
   config = dataclasses.replace(MESH_RUN, trainer=configs.TrainerConfig(microbatches=8))
   with pytest.raises(ConfigError, match="TrainerConfig.microbatches"):
-    experiment_lib.model_and_layout(config, sharding.make_mesh(config.mesh), config.model)
+    build_lib.model_and_layout(config, sharding.make_mesh(config.mesh), config.model)

@@ -163,7 +163,7 @@ def test_rows_are_dense_and_follow_the_mixture(store):
   row_objective = np.concatenate([b["objective_ids"][:, 0] for b in batches])  # one objective per row
   np.testing.assert_allclose(np.bincount(row_objective, minlength=3) / len(row_objective), [0.6, 0.2, 0.2],
                              atol=0.08)
-  assert pipeline.epoch(10) == pytest.approx(10 * 32 / pipeline.layouts["train"].rows)
+  assert pipeline.progress(10) == {"epoch": pytest.approx(10 * 32 / pipeline.layouts["train"].rows)}
 
 
 def test_rows_that_run_out_of_room_make_their_last_examples_causal(tmp_path):

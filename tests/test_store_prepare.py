@@ -23,7 +23,7 @@ from midas_jax.data.store import prepare
 from midas_jax.data.store.pipeline import PreparedPipeline
 from midas_jax.data.vocab import ByteVocabulary
 from midas_jax.errors import ConfigError
-from midas_jax.train import loop
+from midas_jax.train.run import train
 from midas_jax.train.metrics import read_metrics
 
 VOCAB = ByteVocabulary(128)
@@ -117,7 +117,7 @@ def beam_store(tmp_path_factory):
   gin_file.write_text(GIN.format(store=store, files=files[0], eval_files=root / "valid.txt"))
   args = ["data", "prepare", f"--gin_file={gin_file}", "--num_workers=2", f"--out={store}"]
   assert cli.main(args) == 0
-  gin.clear_config()  # the CLI's bindings would configure every DataConfig the tests build
+  gin.clear_config()  # the fixture's parse is done; the tests parse their own
   return {"root": root, "files": files, "eval_files": (str(root / "valid.txt"),), "store": store,
           "gin": str(gin_file), "args": args}
 
@@ -300,7 +300,7 @@ def test_training_on_a_store_falls_and_resumes_mid_epoch_bitwise(beam_store, tmp
   config = gin_config.run_config_from_gin()
   gin.clear_config()
   run = str(tmp_path / "run")
-  loop.train(config, run, devices=jax.devices()[:1])
+  train(config, run, devices=jax.devices()[:1])
   first = {r["step"]: r for r in read_metrics(run, "train")}
   assert first[8]["loss"] < first[1]["loss"] - 0.3
   rows = PreparedPipeline(config.data, VOCAB).layouts["train"].rows
@@ -310,7 +310,7 @@ def test_training_on_a_store_falls_and_resumes_mid_epoch_bitwise(beam_store, tmp
   for step in available_steps(run):  # back to step 4, mid-way through the first epoch
     if step > 4:
       shutil.rmtree(os.path.join(checkpoint_dir(run), str(step)))
-  result = loop.train(config, run, devices=jax.devices()[:1])
+  result = train(config, run, devices=jax.devices()[:1])
   assert result.start_step == 4
   resumed = load_model(run)
   assert resumed.step == 8

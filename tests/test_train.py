@@ -10,13 +10,15 @@ import pytest
 
 from conftest import replace, tiny_run
 from midas_jax import configs
-from midas_jax.errors import ConfigError
-from midas_jax.train import loop
+from midas_jax.errors import ConfigError, NonFiniteLossError
+from midas_jax.train.checkpointer import NoCheckpointer
 from midas_jax.train.metrics import read_metrics
+from midas_jax.train.run import train
 
 
-class RecordingCheckpointer(loop.NoCheckpointer):
+class RecordingCheckpointer(NoCheckpointer):
   def __init__(self):
+    super().__init__()
     self.saved = []
 
   def save(self, state, step, force=False, metadata=None):
@@ -28,7 +30,7 @@ def test_loss_falls_and_outputs_land_in_the_workdir(tmp_path):
   config = tiny_run(trainer=configs.TrainerConfig(num_steps=30, log_every=5, eval_every=15, eval_batches=2,
                                                   progress_bar=False, peak_flops_per_device=1e11))
   recorder = RecordingCheckpointer()
-  result = loop.train(config, str(tmp_path), checkpointer=recorder)
+  result = train(config, str(tmp_path), checkpointer=recorder)
   train_rows = read_metrics(str(tmp_path), "train")
   eval_rows = read_metrics(str(tmp_path), "eval")
   assert [r["step"] for r in train_rows] == [5, 10, 15, 20, 25, 30]
@@ -49,20 +51,20 @@ def test_non_finite_loss_stops_the_run_and_never_reaches_the_checkpointer(tmp_pa
   config = tiny_run(optimizer=optimizer, trainer=configs.TrainerConfig(
       num_steps=20, log_every=4, eval_every=0, progress_bar=False, peak_flops_per_device=1e11))
   recorder = RecordingCheckpointer()
-  with pytest.raises(loop.NonFiniteLossError, match=r"non-finite at step \d+") as err:
-    loop.train(config, str(tmp_path), checkpointer=recorder)
+  with pytest.raises(NonFiniteLossError, match=r"non-finite at step \d+") as err:
+    train(config, str(tmp_path), checkpointer=recorder)
   bad_step = int(err.value.args[0].split("step ")[1].split(";")[0])
   assert all(step < bad_step and finite for step, finite in recorder.saved)
 
 
 def test_same_config_and_seed_give_the_same_losses(tmp_path):
   config = tiny_run()
-  loop.train(config, str(tmp_path / "a"))
-  loop.train(config, str(tmp_path / "b"))
+  train(config, str(tmp_path / "a"))
+  train(config, str(tmp_path / "b"))
   a = [r["loss"] for r in read_metrics(str(tmp_path / "a"), "train")]
   b = [r["loss"] for r in read_metrics(str(tmp_path / "b"), "train")]
   assert a == b
-  loop.train(replace(config, trainer=replace(config.trainer, seed=1)), str(tmp_path / "c"))
+  train(replace(config, trainer=replace(config.trainer, seed=1)), str(tmp_path / "c"))
   assert [r["loss"] for r in read_metrics(str(tmp_path / "c"), "train")] != a
 
 
@@ -70,7 +72,7 @@ def test_unwritable_workdir_is_refused(tmp_path):
   blocker = tmp_path / "file"
   blocker.write_text("not a directory")
   with pytest.raises(ConfigError, match="--workdir"):
-    loop.train(tiny_run(), str(blocker / "run"))
+    train(tiny_run(), str(blocker / "run"))
 
 
 def test_trains_on_local_text_files_with_a_sentencepiece_vocabulary(tmp_path):
@@ -83,7 +85,7 @@ def test_trains_on_local_text_files_with_a_sentencepiece_vocabulary(tmp_path):
   config = tiny_run(data=data, trainer=configs.TrainerConfig(
       num_steps=20, log_every=10, eval_every=20, eval_batches=1, progress_bar=False,
       peak_flops_per_device=1e11))
-  loop.train(config, str(tmp_path / "run"))
+  train(config, str(tmp_path / "run"))
   rows = read_metrics(str(tmp_path / "run"), "train")
   assert json.load(open(tmp_path / "run" / "config.json"))["model"]["vocab_size"] == 768  # 600 + 128 extra
   assert rows[-1]["loss"] < rows[0]["loss"]

@@ -9,8 +9,8 @@ from hypothesis import given, settings, strategies as st
 
 from midas_jax.configs import DataConfig
 from midas_jax.data import corpus
-from midas_jax.data.vocab import (ByteVocabulary, SentencePieceVocabulary, make_vocabulary,
-                                  train_sentencepiece)
+from midas_jax.data.vocab import ByteVocabulary, SentencePieceVocabulary, train_sentencepiece
+from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import ConfigError
 
 TEXTS = ["", "hello world", "héllo wörld — 日本語 🙂", "tab\tand\nnewline", "\x00\x7f\xff"]

@@ -20,7 +20,7 @@ import jax
 from midas_jax import fs
 from midas_jax.checkpoint.manager import OrbaxCheckpointer
 from midas_jax.configs import CheckpointConfig, RunConfig
-from midas_jax.train.experiment import build_experiment
+from midas_jax.train.build import build_stage
 
 
 def _timed_steps(step_fn, state, batches):
@@ -33,14 +33,14 @@ def _timed_steps(step_fn, state, batches):
 
 def run(config: RunConfig, workdir: str, window: int = 3, repeats: int = 3) -> Dict[str, object]:
   """window: steps timed after each save; repeats: saves measured (medians are reported)."""
-  experiment = build_experiment(config)
-  batches = [experiment.device_batch(s) for s in range(window)]
-  state = experiment.init_state()
+  build = build_stage(config)
+  batches = [build.device_batch(s) for s in range(window)]
+  state = build.init_state()
   workdir = fs.absolute(workdir, "--workdir")
   fs.rmtree(workdir)
   blocking, stalls, plain = [], [], []
-  with experiment.context():
-    step_fn = experiment.jit_train_step()
+  with build.context():
+    step_fn = build.jit_train_step()
     state, _ = _timed_steps(step_fn, state, batches[:2])  # compile and warm up
     ckpt = OrbaxCheckpointer(fs.join(workdir, "async"), CheckpointConfig(every=0, keep=2, async_save=True))
     ckpt.save(state, 0, force=True)  # untimed: the first save sets up orbax and compiles the finiteness check

@@ -25,15 +25,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import topologies
 from jax.sharding import AbstractMesh, NamedSharding
 
 from midas_jax import flops, sharding
 from midas_jax.bench import dot_dtypes, memory_model
 from midas_jax.configs import RunConfig
+from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import ConfigError, require
 from midas_jax.model import dummy_batch
-from midas_jax.train.experiment import Experiment, model_and_layout
-from midas_jax.train.state import StateLayout
+from midas_jax.stacking.checks import schedule_for
+from midas_jax.stacking.schedule import StageSchedule
+from midas_jax.train.build import StageBuild, model_and_layout
+from midas_jax.train_state import StateLayout
 
 GIB = 1024 ** 3
 # Per-device memory (bytes) of the accelerators the mesh files in gin/meshes/ target.
@@ -97,7 +101,6 @@ def parse_target(name: Optional[str]) -> Target:
 
 def tpu_devices(target: Target) -> Tuple[Optional[List[Any]], str]:
   """The slice's devices as jax describes them without the hardware, or (None, why not)."""
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   dims = [int(x) for x in target.topology.split(":")[1].split("x")]
   per_host = tuple(min(d, 2) for d in dims) + (1,) * (3 - len(dims))  # 4-chip hosts
   try:
@@ -113,7 +116,6 @@ def vocab_size_of(config: RunConfig) -> int:
   """The padded vocabulary: ModelConfig.vocab_size when set (no data or tokenizer needed), else the data's."""
   if config.model.vocab_size is not None:
     return config.model.vocab_size
-  from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
   return config.model.with_vocab(make_vocabulary(config.data).vocab_size).vocab_size
 
 
@@ -157,12 +159,12 @@ def compile_train_step(config: RunConfig, devices: Sequence[Any]) -> Dict[str, A
   compiled program's matmuls by dtype (what the backend runs, after any pass that changed one)."""
   mesh = sharding.make_mesh(config.mesh, devices)
   model_config, model, tx, schedule, rules, layout = _parts(config, mesh)
-  experiment = Experiment(config=config, model_config=model_config, vocab=None, pipeline=None, mesh=mesh,
-                          rules=rules, model=model, tx=tx, schedule=schedule, layout=layout)
+  build = StageBuild(config=config, model_config=model_config, vocab=None, pipeline=None, mesh=mesh,
+                     rules=rules, model=model, tx=tx, lr_schedule=schedule, layout=layout)
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                        layout.abstract, layout.shardings)
-  with experiment.context():
-    compiled = experiment.jit_train_step().lower(state, _batch_spec(config, mesh)).compile()
+  with build.context():
+    compiled = build.jit_train_step().lower(state, _batch_spec(config, mesh)).compile()
   stats = compiled.memory_analysis()
   names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
            "generated_code_size_in_bytes")
@@ -174,16 +176,16 @@ def compile_train_step(config: RunConfig, devices: Sequence[Any]) -> Dict[str, A
   return memory
 
 
-def _growth_peak(config: RunConfig, mesh, final_state: Dict[str, int], platform: str) -> Optional[int]:
+def _growth_peak(config: RunConfig, schedule: StageSchedule, mesh, final_state: Dict[str, int],
+                 platform: str) -> Optional[int]:
   """State bytes while the last growth runs: the old and the new layers' state side by side."""
-  stacking = config.stacking
-  if stacking.num_stages == 1:
+  if schedule.num_stages == 1:
     return None
-  block = stacking.resolved_block_size(config.model.num_layers)
-  before = sum(state_bytes(_parts(config, mesh, config.model.num_layers - block, platform)[-1]).values())
+  depth_before, depth = schedule.depths[-2], schedule.depths[-1]
+  before = sum(state_bytes(_parts(config, mesh, depth_before, platform)[-1]).values())
   after = sum(final_state.values())
-  per_layer = (after - before) / block
-  shared = after - per_layer * config.model.num_layers  # embeddings, final norm, step count
+  per_layer = (after - before) / (depth - depth_before)
+  shared = after - per_layer * depth  # embeddings, final norm, step count
   return int(before + after - shared)
 
 
@@ -192,6 +194,7 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
   """The per-device memory report. method: "auto" (compile where possible), "compile" or "analytic"."""
   require(method in ("auto", "compile", "analytic"), "--method", f"unknown method {method!r}",
           "use auto, compile or analytic")
+  schedule = schedule_for(config)  # a stacked config's growth, checked before anything compiles
   target = parse_target(topology)
   require(target.num_slices == config.mesh.num_slices, "MeshConfig.dcn_data",
           f"{target.name} has {target.num_slices} slice(s) but the mesh spans dcn_data x dcn_fsdp = "
@@ -204,7 +207,7 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
   trainer = config.trainer
   rows = config.data.batch_size // (shape[0] * shape[1])
   micro_rows = rows // trainer.microbatches
-  kernel = model.cfg.attention
+  kernel = model.attention_implementation
   act = memory_model.activation_bytes(model_config, micro_rows, config.data.seq_len, tensor=shape[2],
                                       attention=kernel, loss_chunk=trainer.loss_chunk)
   # fsdp gathers each layer's weights (in the compute dtype) before use; two layers are in flight.
@@ -224,7 +227,7 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
                 "bytes_per_device": batch_bytes(config, rows), "microbatches": trainer.microbatches,
                 "loss_chunk": trainer.loss_chunk},
       "analytic": analytic, "activation_parts": act,
-      "growth_peak_state": _growth_peak(config, abstract_mesh, states, platform),
+      "growth_peak_state": _growth_peak(config, schedule, abstract_mesh, states, platform),
       "hbm": int(hbm_gib * GIB) if hbm_gib else target.hbm_bytes,
   }
   devices, why = None, ""

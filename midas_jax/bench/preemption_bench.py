@@ -17,25 +17,25 @@ from typing import Callable, Dict
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from midas_jax.configs import RunConfig
-from midas_jax.train.experiment import build_experiment
+from midas_jax.train.build import build_stage
 from midas_jax.train.preemption import PreemptionGuard
 
 
 def _allgather_flag(_step: int) -> bool:
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   return bool(np.any(multihost_utils.process_allgather(np.array(False))))
 
 
 def run(config: RunConfig, steps: int = 20, repeats: int = 5, calls: int = 2000) -> Dict[str, object]:
   """steps: train steps per timed block; repeats: blocks per variant (medians are reported)."""
-  experiment = build_experiment(config)
-  batches = [experiment.device_batch(s) for s in range(2)]
-  state = experiment.init_state()
+  build = build_stage(config)
+  batches = [build.device_batch(s) for s in range(2)]
+  state = build.init_state()
   counter = [0]  # the step ids given to the check only ever grow, as in training
-  with experiment.context(), PreemptionGuard() as guard:
-    step_fn = experiment.jit_train_step()
+  with build.context(), PreemptionGuard() as guard:
+    step_fn = build.jit_train_step()
 
     def block(check: Callable[[int], bool]) -> float:
       nonlocal state

@@ -4,7 +4,7 @@ Both runs train the same config for the same steps (midas_jax/compare.py); the m
 the ratio of their training wall time (evaluation and checkpointing excluded, growth and
 recompiles included), set against the schedule's theoretical speedup from FLOP counts. Target:
 measured >= 0.9 x theoretical. Each stage's train step is compiled ahead of time in the background
-while the stage before it trains (stacking/controller.py), as in any stacked run.
+while the stage before it trains (train/stages.py), as in any stacked run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Dict
 
 from midas_jax import compare
 from midas_jax.configs import RunConfig, StackingConfig
-from midas_jax.data.vocab import make_vocabulary
+from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.stacking.schedule import flop_speedup, layer_only_speedup_of, schedule_from_config
 
 BENCH_STACKING = StackingConfig(num_stages=4, operator="midas", alpha=1.0)

@@ -16,8 +16,15 @@ import resource
 import tempfile
 from typing import Dict, Optional
 
-from midas_jax.bench.data_bench import TARGET_VS_TRAINING, measure_ours, measure_training, one_core
+from midas_jax import flops, fs
+from midas_jax.bench.pipeline_timing import TARGET_VS_TRAINING, measure_ours, measure_training, one_core
 from midas_jax.configs import DataConfig, RunConfig
+from midas_jax.data.store import synthetic
+from midas_jax.data.store.pipeline import PreparedPipeline
+from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.device_peak import known_peak_flops
+from midas_jax.errors import require
+from midas_jax.train.build import build_stage
 
 TARGET_VS_HOST_CONSUMPTION = 20.0  # ours, against one pod host's consumption
 # TPU slices as gcloud names them: generation -> (TensorCores per chip counted in the name, chips
@@ -38,10 +45,6 @@ def peak_rss_bytes() -> int:
 def host_consumption(config: RunConfig, topology: str, mfu: float) -> Dict[str, object]:
   """The tokens per second one host of `topology` consumes training `config` at `mfu`:
   step time = train FLOPs per step / (chips * chip peak * mfu), shared by hosts = chips / per host."""
-  from midas_jax import flops  # pylint: disable=import-outside-toplevel
-  from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
-  from midas_jax.device_peak import known_peak_flops  # pylint: disable=import-outside-toplevel
-  from midas_jax.errors import require  # pylint: disable=import-outside-toplevel
   m = re.fullmatch(r"(v4|v5p|v5e|v5litepod)-(\d+)", topology.strip().lower())
   require(m is not None, "--consumption", f"unknown TPU slice {topology!r}", "use e.g. v4-64, v5p-128, v5litepod-64")
   generation, count = m.group(1), int(m.group(2))
@@ -66,7 +69,6 @@ def host_consumption(config: RunConfig, topology: str, mfu: float) -> Dict[str, 
 def write_synthetic_store(config: RunConfig, documents: int, folder: Optional[str], mean_length: float = 64.0) -> str:
   """A synthetic store of `documents` documents in the run's vocabulary, written in a child process
   (so that this process's peak memory is the reader's); reused if already there."""
-  from midas_jax import fs  # pylint: disable=import-outside-toplevel
   folder = folder or os.path.join(tempfile.gettempdir(), f"midas_synthetic_{documents}_{mean_length:g}")
   if not fs.exists(fs.join(folder, "manifest.json")):
     child = multiprocessing.get_context("spawn").Process(target=_write_synthetic,
@@ -79,20 +81,14 @@ def write_synthetic_store(config: RunConfig, documents: int, folder: Optional[st
 
 
 def _write_synthetic(data: DataConfig, documents: int, folder: str, mean_length: float) -> None:
-  from midas_jax.data.store import synthetic  # pylint: disable=import-outside-toplevel
-  from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
   synthetic.write(folder, documents, make_vocabulary(data), mean_length=mean_length)
 
 
 def run(config: RunConfig, seconds: float, training: Optional[Dict[str, object]],
         train_steps: int = 5) -> Dict[str, object]:
   """Ours on a prepared store, on one core, with the memory it took."""
-  from midas_jax.data.store.pipeline import PreparedPipeline  # pylint: disable=import-outside-toplevel
-  from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
-  from midas_jax.train.experiment import build_experiment  # pylint: disable=import-outside-toplevel
   if training is None:
-    experiment = build_experiment(config)
-    training = measure_training(experiment, steps=train_steps)  # before the pin: all cores
+    training = measure_training(build_stage(config), steps=train_steps)  # before the pin: all cores
   vocab = make_vocabulary(config.data)
   before = rss_bytes()
   pipeline = PreparedPipeline(config.data, vocab)

@@ -20,9 +20,9 @@ from typing import Dict
 import jax
 
 from midas_jax import flops
-from midas_jax.device_peak import known_peak_flops, matmul_peak_sampler
 from midas_jax.configs import RunConfig
-from midas_jax.train.experiment import build_experiment
+from midas_jax.device_peak import known_peak_flops, matmul_peak_sampler
+from midas_jax.train.build import build_stage
 
 PEAK_REPEATS = 3  # timed matmuls per peak sample (2048^3 each)
 
@@ -38,20 +38,20 @@ def _cpu_seconds() -> float:
 
 def run(config: RunConfig, steps: int = 10, warmup: int = 2, peak_size: int = 2048) -> Dict[str, object]:
   """peak_size: the matmul size of the peak probe (smaller is cheaper and reads lower)."""
-  experiment = build_experiment(config)
-  mcfg, data = experiment.model_config, config.data
+  build = build_stage(config)
+  mcfg, data = build.model_config, config.data
   t0 = time.perf_counter()
-  host_batches = [experiment.host_batch(s) for s in range(warmup + steps)]
+  host_batches = [build.host_batch(s) for s in range(warmup + steps)]
   data_seconds = (time.perf_counter() - t0) / (warmup + steps)
   del host_batches
-  batches = [experiment.device_batch(s) for s in range(warmup + steps)]
+  batches = [build.device_batch(s) for s in range(warmup + steps)]
 
   samplers = {"float32": matmul_peak_sampler("float32", size=peak_size),
               "bfloat16_f32_accum": matmul_peak_sampler("bfloat16", "float32", size=peak_size)}
   load_before = _load()
-  state = experiment.init_state()
-  with experiment.context():
-    step_fn = experiment.jit_train_step()
+  state = build.init_state()
+  with build.context():
+    step_fn = build.jit_train_step()
     t0 = time.perf_counter()
     for b in batches[:warmup]:
       state, metrics = step_fn(state, b)

@@ -20,7 +20,10 @@ from midas_jax import fs
 from midas_jax.checkpoint import manager as manager_lib
 from midas_jax.checkpoint import metadata as metadata_lib
 from midas_jax.configs import ModelConfig, RunConfig
+from midas_jax.data.vocab import Vocabulary
+from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import ConfigError
+from midas_jax.model import Decoder, dummy_batch
 
 PARAMS_DIR = "params"
 METADATA_FILE = "metadata.json"
@@ -36,14 +39,12 @@ class LoadedModel:
   metadata: Dict[str, Any]
 
   @property
-  def vocab(self):
-    from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
+  def vocab(self) -> Vocabulary:
     return make_vocabulary(self.config.data)
 
 
 def abstract_params(model_config: ModelConfig, device=None):
   """Shapes and dtypes of Decoder(model_config)'s params, placed on one device."""
-  from midas_jax.model import Decoder, dummy_batch  # pylint: disable=import-outside-toplevel
   shapes = jax.eval_shape(lambda: nn.unbox(Decoder(model_config).init(jax.random.key(0), dummy_batch(1, 8))["params"]))
   sharding = jax.sharding.SingleDeviceSharding(device or jax.local_devices()[0])
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), shapes)
@@ -122,7 +123,7 @@ def load_model(path: str, step: Optional[int] = None) -> LoadedModel:
                     "`midas export --format=params`")
 
 
-def export_params(workdir: str, out_dir: str, step: Optional[int] = None) -> str:
+def export_run_params(workdir: str, out_dir: str, step: Optional[int] = None) -> str:
   """A run's checkpoint (latest, or `step`) as a params-only export."""
   model = load_model(workdir, step)
   return write_params_export(out_dir, model.params, model.config, model.metadata)

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from midas_jax import fs
+from midas_jax import fs, hosts
 from midas_jax.configs import CheckpointConfig
 from midas_jax.console import say
 from midas_jax.errors import NonFiniteLossError
-from midas_jax.train.state import TrainState
+from midas_jax.train_state import StateLayout, TrainState
 
 CHECKPOINT_DIR = "checkpoints"
 ITEMS = ("params", "state", "metadata")
@@ -79,7 +79,7 @@ def restore_metadata(manager, step: int) -> Dict[str, Any]:
 
 
 class OrbaxCheckpointer:
-  """The train loop's Checkpointer (train/loop.py) on an orbax CheckpointManager."""
+  """The train loop's Checkpointer (train/checkpointer.py) on an orbax CheckpointManager."""
 
   def __init__(self, workdir: str, config: CheckpointConfig):
     self.config = config
@@ -91,16 +91,11 @@ class OrbaxCheckpointer:
     """Committed saves, newest first (temporary directories of interrupted saves are not listed)."""
     return sorted(self._manager.all_steps(), reverse=True)
 
-  def latest_step(self) -> Optional[int]:
-    steps = self.steps()
-    return steps[0] if steps else None
-
   def metadata(self, step: int) -> Dict[str, Any]:
     return restore_metadata(self._manager, step)
 
-  def restore(self, experiment, step: int) -> TrainState:
-    """The state saved at `step`, laid out with `experiment`'s shardings (any mesh: orbax reshards)."""
-    layout = experiment.layout
+  def restore(self, layout: StateLayout, step: int) -> TrainState:
+    """The state saved at `step`, laid out in `layout`'s shardings (any mesh: orbax reshards)."""
     target = _abstract(layout.abstract, layout.shardings)
     self.metadata(step)
     try:
@@ -119,7 +114,6 @@ class OrbaxCheckpointer:
 
     Process 0 moves it; every process waits for that before looking at the saves again.
     """
-    from midas_jax.train import hosts  # pylint: disable=import-outside-toplevel
     src = fs.join(self.directory, str(step))
     dst = fs.join(self.directory, f"{QUARANTINE_PREFIX}{step}-{int(time.time())}")
     if jax.process_index() == 0:

@@ -8,15 +8,18 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 
 from midas_jax import fs
+from midas_jax.checkpoint import load_model
+from midas_jax.checkpoint import metadata as metadata_lib
 from midas_jax.configs import ModelConfig, RunConfig
 from midas_jax.convert import hf_config, shards, writers
+from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import require
+from midas_jax.model import layer_order
 
 
 def unroll_loop(params: Mapping, cfg: ModelConfig) -> Tuple[dict, ModelConfig]:
   """A looped model as the plain stack it computes: each application of the loop becomes a layer copy."""
-  from midas_jax.model import looping  # pylint: disable=import-outside-toplevel  (jax: not at import time)
-  order = looping.order_for(cfg)
+  order = layer_order.order_for(cfg)
   if order is None:
     return dict(params), cfg
 
@@ -37,7 +40,7 @@ def prepare_out_dir(out_dir: str, flag: str = "--out") -> str:
   return out_dir
 
 
-def export_params(params: Mapping, model_config: ModelConfig, run_config: RunConfig, out_dir: str,
+def write_export(params: Mapping, model_config: ModelConfig, run_config: RunConfig, out_dir: str,
                   fmt: str = "hf", provenance: Optional[Dict[str, Any]] = None, dtype: str = "float32",
                   max_shard_size=shards.DEFAULT_MAX_SHARD_SIZE) -> List[str]:
   """Writes `params` of `model_config` (the current depth) in `fmt`; returns the file names written.
@@ -55,7 +58,6 @@ def export_params(params: Mapping, model_config: ModelConfig, run_config: RunCon
   if fmt != "npz":
     hf_config.check_exportable(cfg)
   if fmt == "hf":
-    from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
     ids = make_vocabulary(run_config.data).vocab_size
     require(ids <= cfg.vocab_size, "DataConfig", f"the vocabulary has {ids} ids, more than the model's "
             f"{cfg.vocab_size} embedding rows", "export with the data config the model was trained with")
@@ -65,7 +67,6 @@ def export_params(params: Mapping, model_config: ModelConfig, run_config: RunCon
                     exported_dtype=dtype)
   provenance.setdefault("step", 0)
   provenance.setdefault("stage", 1)
-  from midas_jax.checkpoint import metadata as metadata_lib  # pylint: disable=import-outside-toplevel
   provenance["config"] = metadata_lib.config_to_dict(run_config)
   provenance["model_config"] = dataclasses.asdict(cfg)
   writers.write_provenance(out_dir, provenance)
@@ -79,12 +80,11 @@ def export_params(params: Mapping, model_config: ModelConfig, run_config: RunCon
 def export_model(path: str, out_dir: str, fmt: str = "hf", step: Optional[int] = None, dtype: str = "float32",
                  max_shard_size=shards.DEFAULT_MAX_SHARD_SIZE) -> List[str]:
   """Loads a run's workdir (latest good checkpoint, or `step`) or a params-only export, and exports it."""
-  from midas_jax.checkpoint import load_model  # pylint: disable=import-outside-toplevel
   require(fmt in writers.FORMATS, "--format", f"unknown format {fmt!r}", f"use one of {writers.FORMATS}")
   shards.numpy_dtype(dtype)
   shards.parse_size(max_shard_size)
   loaded = load_model(path, step)
   provenance = {k: v for k, v in loaded.metadata.items() if k not in ("config",)}
   provenance.update(source=fs.absolute(path, "--workdir"), step=loaded.step, stage=loaded.stage)
-  return export_params(loaded.params, loaded.model_config, loaded.config, out_dir, fmt, provenance, dtype,
+  return write_export(loaded.params, loaded.model_config, loaded.config, out_dir, fmt, provenance, dtype,
                        max_shard_size)

@@ -20,10 +20,14 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from midas_jax import configs, fs
-from midas_jax.convert import hf_config, mapping, writers
+from midas_jax.checkpoint import metadata as metadata_lib
+from midas_jax.checkpoint import write_params_export
+from midas_jax.convert import hf_config, mapping
 from midas_jax.convert import tokenizer as tokenizer_lib
+from midas_jax.convert import writers
 from midas_jax.convert.export import prepare_out_dir
 from midas_jax.data import vocab as vocab_lib
+from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import ConfigError, require
 
 GIN_FILE = "imported.gin"
@@ -173,8 +177,6 @@ def import_hf(hf_dir: str, out_dir: str) -> Tuple[configs.RunConfig, Dict[str, A
 
 
 def _import_local(hf_dir: str, source: str, out_dir: str) -> Tuple[configs.RunConfig, Dict[str, Any]]:
-  from midas_jax.checkpoint import write_params_export  # pylint: disable=import-outside-toplevel
-  from midas_jax.checkpoint import metadata as metadata_lib  # pylint: disable=import-outside-toplevel
   provenance = _read_provenance(hf_dir)
   out_dir = prepare_out_dir(out_dir, "--workdir")
   metadata: Dict[str, Any] = {"imported_from": source}
@@ -193,7 +195,7 @@ def _import_local(hf_dir: str, source: str, out_dir: str) -> Tuple[configs.RunCo
   else:
     params, model = load_hf(hf_dir)
     data, note = _foreign_data_config(hf_dir, out_dir, model.vocab_size, model.max_seq_len)
-    vocab = vocab_lib.make_vocabulary(data)
+    vocab = make_vocabulary(data)
     params, model, added = fit_vocabulary(params, model, vocab)
     config = configs.RunConfig(model=model, data=data)
     metadata.update(tokenizer=note, vocabulary=vocab.special_ids(), step=0, stage=1)

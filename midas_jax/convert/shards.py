@@ -14,6 +14,7 @@ import os
 import re
 from typing import Dict, List, Optional, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from midas_jax import fs
@@ -44,7 +45,6 @@ def numpy_dtype(name: str, setting: str = "--dtype"):
   if name not in DTYPES:
     raise ConfigError(setting, f"unknown dtype {name!r}", f"use one of {DTYPES}")
   if name == "bfloat16":
-    import ml_dtypes  # jax's dependency; safetensors writes its bfloat16 as BF16
     return np.dtype(ml_dtypes.bfloat16)
   return np.dtype(np.float32)
 

@@ -17,12 +17,17 @@
 
 from __future__ import annotations
 
+import tempfile
 from typing import Dict, List, Optional, Tuple
+
+from tokenizers import AddedToken, Tokenizer, decoders
+from tokenizers.models import BPE
 
 from midas_jax import fs
 from midas_jax.configs import DataConfig
 from midas_jax.data import vocab as vocab_lib
 from midas_jax.data.tokenizers_vocab import CONFIG_FILES, TOKENIZER_FILE, tokenizer_paths
+from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import ConfigError, require
 
 ORIGINALS_DIR = "midas_jax_tokenizer"
@@ -60,7 +65,6 @@ def import_tokenizer(hf_dir: str, out_dir: str) -> Optional[Tuple[Dict[str, str]
   spm = fs.join(hf_dir, "tokenizer.model")
   if not fs.isfile(spm):
     return None
-  import tempfile  # pylint: disable=import-outside-toplevel
   from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory(prefix="midas_tokenizer_") as local:
     copied = copy_tokenizer_files(hf_dir, local)
@@ -92,7 +96,6 @@ def _name(vocab, token_id) -> Optional[str]:
 
 def _add_appended(tok, vocab) -> None:
   """Adds the appended ids to a transformers tokenizer under their names, at exactly their ids."""
-  from tokenizers import AddedToken  # lazy: conversion only
   require(len(tok) == vocab.base_size, "DataConfig.tokenizer",
           f"the tokenizer files hold {len(tok)} tokens, the run's vocabulary {vocab.base_size} below its extra ids",
           "point DataConfig.tokenizer (and spm_model) at the files of one tokenizer")
@@ -143,8 +146,6 @@ def _describe_roles(vocab) -> str:
 
 def _byte_tokenizer(vocab):
   """(tokenizers.Tokenizer, names of pad, eos, unk)."""
-  from tokenizers import Tokenizer, decoders  # lazy: conversion only
-  from tokenizers.models import BPE
   specials = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2
   pieces = list(specials) + [f"<0x{b:02X}>" for b in range(vocab_lib.NUM_BYTES)] + vocab.appended_tokens()
   tok = Tokenizer(BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
@@ -171,9 +172,8 @@ def _sentencepiece_tokenizer(vocab) -> Tuple[object, tuple]:
 def write_tokenizer(out_dir: str, data: DataConfig, vocab=None) -> str:
   """Writes tokenizer.json and tokenizer_config.json (and tokenizer.model for SentencePiece) into
   out_dir, a local directory. Returns what the README says about the token ids."""
-  from tokenizers import AddedToken
   from transformers import PreTrainedTokenizerFast
-  vocab = vocab or vocab_lib.make_vocabulary(data)
+  vocab = vocab or make_vocabulary(data)
   if data.tokenizer:
     return _from_tokenizer_files(out_dir, data, vocab)
   if data.vocab == "byte":

@@ -17,7 +17,9 @@ import numpy as np
 from midas_jax import fs
 from midas_jax.configs import DataConfig, ModelConfig, RunConfig
 from midas_jax.convert import hf_config, mapping, shards
-from midas_jax.data.vocab import make_vocabulary
+from midas_jax.convert import tokenizer as tokenizer_lib
+from midas_jax.data import objectives
+from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import ConfigError
 
 FORMATS = ("hf", "torch", "npz")
@@ -80,7 +82,6 @@ def _header(provenance: Dict[str, Any], cfg: ModelConfig, dtype: str = "float32"
 
 def special_tokens_record(run_config: RunConfig, vocab) -> Dict[str, Any]:
   """The vocabulary's special ids and the objectives' sentinels and mode tokens, for config.json."""
-  from midas_jax.data import objectives  # pylint: disable=import-outside-toplevel
   record = dict(vocab.special_ids())
   try:
     record.update(objectives.vocabulary_special_tokens(vocab, run_config.data.num_sentinels).to_json())
@@ -94,7 +95,6 @@ def write_hf(out_dir: str, params: Mapping, cfg: ModelConfig, run_config: RunCon
   """A transformers model directory: config.json, safetensors weights (sharded above max_shard_size),
   generation config, the run's tokenizer, README.md."""
   from transformers import GenerationConfig  # lazy: the convert extra
-  from midas_jax.convert import tokenizer as tokenizer_lib
   vocab = make_vocabulary(run_config.data)
   ids = {"bos": vocab.bos_id, "eos": vocab.eos_id, "pad": vocab.pad_id}
   with fs.staged_dir(out_dir) as local:

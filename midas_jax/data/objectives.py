@@ -40,8 +40,10 @@ from midas_jax.data import streams
 from midas_jax.data.packing import Example
 from midas_jax.errors import ConfigError
 
-KINDS = ("causal", "prefix", "span")
-OBJECTIVE_IDS = {"causal": 0, "prefix": 1, "span": 2}  # packing.py's objective_ids
+# An example's objective (its denoiser's kind). OBJECTIVES[i] is objective id i in every row
+# (packing.py's objective_ids), and the metrics report the loss of each beside the total.
+OBJECTIVES = ("causal", "prefix", "span")
+OBJECTIVE_IDS = {name: i for i, name in enumerate(OBJECTIVES)}
 MODES = ("[NLU]", "[NLG]", "[S2S]")
 
 
@@ -297,8 +299,8 @@ class Denoiser:
   mode: Optional[str] = None
 
   def __post_init__(self):
-    if self.kind not in KINDS:
-      raise ValueError(f"Denoiser {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
+    if self.kind not in OBJECTIVES:
+      raise ValueError(f"Denoiser {self.name!r}: kind {self.kind!r} is not one of {OBJECTIVES}")
     d, mu = self.noise_density, self.mean_noise_span_length
     if self.kind == "span" and not (0.0 < d < 1.0 and mu >= 1.0):
       raise ValueError(f"Denoiser {self.name!r}: span corruption needs 0 < noise_density < 1 and "

@@ -263,10 +263,12 @@ class Pipeline:
       self._cache[where] = batches
     return mine
 
-  def epoch(self, steps: int) -> float:
-    """Row slots of `steps` steps per token of the train split. Rows draw documents with
-    replacement, so this counts corpus-sizes of training, not passes over every document."""
-    return steps * self.config.batch_size * self.config.seq_len / len(self._pools["train"].tokens)
+  def progress(self, steps: int) -> Dict[str, float]:
+    """How far `steps` steps are through the data, for the train records: "corpus_passes", the row
+    slots trained per token of the train split. Rows draw windows of documents at random (with
+    replacement), so this counts corpus-sizes of training, not epochs: no document is promised once
+    per pass (a prepared store's pipeline reports true epochs)."""
+    return {"corpus_passes": steps * self.config.batch_size * self.config.seq_len / len(self._pools["train"].tokens)}
 
   def describe(self) -> Dict[str, object]:
     """The mixture and the pinned special-token ids, for config files and checkpoint metadata."""

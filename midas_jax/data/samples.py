@@ -13,8 +13,7 @@ from typing import Dict, Iterator, List
 
 import numpy as np
 
-from midas_jax.data.objectives import SpecialTokens
-from midas_jax.train.step import OBJECTIVES
+from midas_jax.data.objectives import OBJECTIVES, SpecialTokens
 
 
 def render(tokens, vocab, special: SpecialTokens) -> str:

@@ -40,7 +40,7 @@ import numpy as np
 
 from midas_jax import fs
 from midas_jax.configs import DataConfig
-from midas_jax.data.vocab import make_vocabulary
+from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import ConfigError, require
 
 SPLITS = ("train", "validation")

@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 from typing import Dict, Iterable, List, Optional
 
+from tokenizers import Tokenizer
+
 from midas_jax import fs
-from midas_jax.data.vocab import Vocabulary, check_extra_ids, appended_names, appended_specials
+from midas_jax.data.vocab import Vocabulary, appended_names, appended_specials, check_extra_ids
 from midas_jax.errors import ConfigError, require
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -67,7 +69,6 @@ class TokenizersVocabulary(Vocabulary):
   kind = "tokenizers"
 
   def __init__(self, tokenizer: str, extra_ids: int = 128):
-    from tokenizers import Tokenizer  # lazy: only this vocabulary needs the library
     check_extra_ids(extra_ids)
     file, directory = tokenizer_paths(tokenizer)
     require(fs.isfile(file), "DataConfig.tokenizer", f"no tokenizer.json at {file!r}",

@@ -23,8 +23,9 @@ import json
 import os
 from typing import Dict, Iterable, List, Optional, Sequence
 
+import sentencepiece
+
 from midas_jax import fs
-from midas_jax.configs import DataConfig
 from midas_jax.errors import ConfigError, require
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
@@ -204,7 +205,6 @@ class SentencePieceVocabulary(Vocabulary):
   kind = "sentencepiece"
 
   def __init__(self, model_file: str, extra_ids: int = 128):
-    import sentencepiece  # no TensorFlow; kept local so the byte path never needs it
     check_extra_ids(extra_ids)
     model_file = fs.check(model_file, "DataConfig.spm_model")
     require(fs.isfile(model_file), "DataConfig.spm_model", f"no model file at {model_file!r}",
@@ -275,7 +275,6 @@ def train_sentencepiece(text_files: Sequence[str], model_prefix: str, vocab_size
   `trainer_options` go to the SentencePiece trainer and override these (e.g. `byte_fallback=False`,
   `input_sentence_size=1_000_000`, `hard_vocab_limit=False` for tiny corpora).
   """
-  import sentencepiece
   if isinstance(text_files, (str, os.PathLike)):
     text_files = [text_files]
   text_files = [os.fspath(p) for p in text_files]
@@ -291,14 +290,3 @@ def train_sentencepiece(text_files: Sequence[str], model_prefix: str, vocab_size
       input=text_files, model_prefix=model_prefix, vocab_size=vocab_size, model_type=model_type,
       pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1, **options)
   return model_prefix + ".model"
-
-
-def make_vocabulary(config: DataConfig):
-  """The vocabulary that `config.vocab` names."""
-  check_extra_ids(config.extra_ids)
-  if config.vocab == "byte":
-    return ByteVocabulary(config.extra_ids)
-  if config.vocab == "tokenizers":
-    from midas_jax.data.tokenizers_vocab import TokenizersVocabulary  # pylint: disable=import-outside-toplevel
-    return TokenizersVocabulary(config.tokenizer, config.extra_ids)
-  return SentencePieceVocabulary(config.spm_model, config.extra_ids)

@@ -1,5 +1,5 @@
 """Evaluation suites run on a saved checkpoint (`midas eval`) and the run report (`midas report`).
 
-Each suite is `run_suite(model, workdir, out_dir, options) -> dict`, registered by name in
-`suites.py` and imported only when it runs, so importing this package costs nothing.
+Each suite is a module with `run_suite(model, workdir, out_dir, options) -> dict`, registered by
+name in `suites.py`; `options.py` holds the options they share, `figures.py` the charts they draw.
 """

@@ -15,10 +15,18 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from midas_jax import fs
+from midas_jax.checkpoint import available_steps, is_params_export, load_model
+from midas_jax.data import corpus
+from midas_jax.data.sources import read_documents
 from midas_jax.errors import ConfigError, require
+from midas_jax.evals import figures
+from midas_jax.evals.embeddings import pick_steps
+from midas_jax.model import Decoder
 
 KIND_GROUPS: Dict[str, Tuple[str, ...]] = {
     "reasoning": ("arithmetic", "assignment"),
@@ -33,7 +41,6 @@ BATCH_ROWS = 16
 
 def kinds_of(name: str, setting: str) -> Tuple[str, ...]:
   """The corpus kinds a name stands for: a group of KIND_GROUPS, or kinds joined by '+' or ','."""
-  from midas_jax.data import corpus  # pylint: disable=import-outside-toplevel
   if name in KIND_GROUPS:
     return KIND_GROUPS[name]
   kinds = tuple(k.strip() for k in name.replace("+", ",").split(",") if k.strip())
@@ -45,7 +52,6 @@ def kinds_of(name: str, setting: str) -> Tuple[str, ...]:
 
 def builtin_documents(kinds: Sequence[str], seed: int, limit: int) -> List[str]:
   """The first `limit` validation documents of the built-in corpus whose kind is in `kinds`."""
-  from midas_jax.data import corpus  # pylint: disable=import-outside-toplevel
   return [d.text for d in corpus.documents("validation", seed) if d.kind in kinds][:limit]
 
 
@@ -76,9 +82,6 @@ _LOSS_FNS: Dict[object, object] = {}
 def _loss_sums_fn(model_config):
   """jit(params, batch) -> (sum of token losses, token count), one per model config (depth)."""
   if model_config not in _LOSS_FNS:
-    import jax  # pylint: disable=import-outside-toplevel
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-    from midas_jax.model import Decoder  # pylint: disable=import-outside-toplevel
     model = Decoder(model_config)
 
     @jax.jit
@@ -113,7 +116,6 @@ def delta_l(loss_a: float, loss_b: float) -> float:
 
 def _data_sets(model, options: dict) -> Tuple[Dict[str, str], List[str], List[str]]:
   """(descriptions, A's documents, B's documents) from the options (see the module docstring)."""
-  from midas_jax.data.sources import read_documents  # pylint: disable=import-outside-toplevel
   limit = int(options.get("max_documents") or MAX_DOCUMENTS)
   files = {k: options.get(f"{k}_files") for k in ("a", "b")}
   if files["a"] or files["b"]:
@@ -138,9 +140,7 @@ def applies(model, options: dict):
 
 
 def _plot(steps, loss_a, loss_b, deltas, names, path) -> None:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = figures.pyplot()
   fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
   left.plot(steps, loss_a, "o-", label=f"A: {names['a']}")
   left.plot(steps, loss_b, "s-", label=f"B: {names['b']}")
@@ -158,9 +158,6 @@ def _plot(steps, loss_a, loss_b, deltas, names, path) -> None:
 
 def run_suite(model, workdir: str, out_dir: str, options: dict) -> dict:
   """L_A, L_B and Delta L at every kept checkpoint (at most max_checkpoints, default all), delta_l.png."""
-  from midas_jax.evals.embeddings import pick_steps  # pylint: disable=import-outside-toplevel
-  # pylint: disable-next=import-outside-toplevel
-  from midas_jax.checkpoint import available_steps, is_params_export, load_model
   reason = applies(model, options)
   if reason:
     raise ConfigError("a_files", reason, "pass a_files and b_files, or evaluate a run on the built-in corpus")

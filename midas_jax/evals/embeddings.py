@@ -17,7 +17,9 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from midas_jax import fs
+from midas_jax.checkpoint import available_steps, is_params_export, load_model
 from midas_jax.errors import require
+from midas_jax.evals import figures
 
 GROUPS: Tuple[Tuple[str, str], ...] = (
     ("digits", string.digits), ("lower", string.ascii_lowercase), ("upper", string.ascii_uppercase),
@@ -106,9 +108,7 @@ def pick_steps(steps: Sequence[int], most: int) -> List[int]:
 
 
 def _plot(points: List[dict], chars: List[str], groups: List[str], path: str) -> None:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = figures.pyplot()
   names = list(dict.fromkeys(groups))
   colors = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(names)}
   shown = [repr(c)[1:-1] for c in chars]
@@ -138,8 +138,6 @@ def _plot(points: List[dict], chars: List[str], groups: List[str], path: str) ->
 
 def _checkpoints(model, workdir: str, most: int):
   """(step, LoadedModel) for up to `most` kept checkpoints of the run; just `model` for an export."""
-  # pylint: disable-next=import-outside-toplevel
-  from midas_jax.checkpoint import available_steps, is_params_export, load_model
   if is_params_export(fs.absolute(workdir, "--workdir")):
     return [(model.step, model)]
   steps = pick_steps(available_steps(workdir), most)

@@ -20,7 +20,8 @@ import optax
 
 from midas_jax.configs import ModelConfig
 from midas_jax.errors import require
-from midas_jax.evals import primitives
+from midas_jax.evals import decoding, figures, primitives, scoring
+from midas_jax.evals.options import context_length, option
 from midas_jax.model import Decoder
 from midas_jax.train.step import weighted_cross_entropy
 
@@ -88,8 +89,6 @@ def finetune(params, cfg: ModelConfig, rows: Dict[str, np.ndarray], steps: int, 
 def run_suite(model, workdir: str, out_dir: str, options: Mapping[str, Any]) -> Dict[str, Any]:
   """`primitives_finetune`: per task, fine-tune a copy of the checkpoint on N examples, then held-out accuracy."""
   del workdir
-  from midas_jax.evals import decoding, report, scoring  # pylint: disable=import-outside-toplevel
-  from midas_jax.evals.suites import context_length, option  # pylint: disable=import-outside-toplevel
   n_train, steps = option(options, "finetune_examples"), option(options, "finetune_steps")
   require(n_train >= 1, "--finetune_examples", f"must be >= 1, got {n_train}", "256 is the default")
   require(steps >= 1, "--finetune_steps", f"must be >= 1, got {steps}", "100 is the default")
@@ -110,7 +109,7 @@ def run_suite(model, workdir: str, out_dir: str, options: Mapping[str, Any]) -> 
     tasks[name] = dict(scoring.summarize(records), primitive=spec.primitive, depth=spec.depth,
                        train_examples=n_train, steps=steps, first_loss=losses[0],
                        final_loss=sum(tail) / len(tail), samples=records[:option(options, "samples")])
-  figure = report.bar_chart(f"{out_dir}/primitives_finetune.png", {n: t["accuracy"] for n, t in tasks.items()},
+  figure = figures.bar_chart(f"{out_dir}/primitives_finetune.png", {n: t["accuracy"] for n, t in tasks.items()},
                             title=f"accuracy after fine-tuning on {n_train} examples, {steps} steps "
                                   f"(step {model.step})")
   return {"finetune_examples": n_train, "finetune_steps": steps, "num_examples": num, "seed": seed,

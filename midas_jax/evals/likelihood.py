@@ -42,7 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from midas_jax.configs import ModelConfig
-from midas_jax.evals import primitives, scoring
+from midas_jax.evals import figures, primitives, scoring
+from midas_jax.evals.decoding import stop_token_ids
+from midas_jax.evals.options import context_length, option
 from midas_jax.model import Decoder
 
 LENGTH_BUCKET = 32
@@ -200,8 +202,6 @@ def build_questions(task: str, num: int, k: int, seed: int, vocab, context_len: 
 
 def evaluate(params, model_config: ModelConfig, vocab, context_len: int, options: Mapping[str, Any]) -> Dict[str, Any]:
   """The four scores per task of one model (parameters + config), for the options' tasks."""
-  from midas_jax.evals.decoding import stop_token_ids  # pylint: disable=import-outside-toplevel
-  from midas_jax.evals.suites import option  # pylint: disable=import-outside-toplevel
   k, num, seed = option(options, "k_shot"), option(options, "score_examples"), option(options, "seed")
   per_task = {name: build_questions(name, num, k, seed, vocab, context_len)
               for name in primitives.task_names(options)}
@@ -224,13 +224,11 @@ def evaluate(params, model_config: ModelConfig, vocab, context_len: int, options
 def run_suite(model, workdir: str, out_dir: str, options: Mapping[str, Any]) -> Dict[str, Any]:
   """`primitive_scores`: log-likelihood, forced choice, token accuracy and strict exact match per primitive."""
   del workdir
-  from midas_jax.evals import report  # pylint: disable=import-outside-toplevel
-  from midas_jax.evals.suites import context_length, option  # pylint: disable=import-outside-toplevel
   start = time.time()
   context_len = context_length(model)
   result = evaluate(model.params, model.model_config, model.vocab, context_len, options)
   tasks = result["tasks"]
-  figure = report.bar_chart(f"{out_dir}/primitive_scores.png",
+  figure = figures.bar_chart(f"{out_dir}/primitive_scores.png",
                             {n: t["scores"]["forced_choice"]["value"] for n, t in tasks.items()},
                             title=f"forced choice among candidates (step {model.step}, depth "
                                   f"{model.model_config.num_layers}); dashes: chance",

@@ -21,6 +21,9 @@ import random
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
+from midas_jax.data import corpus
+from midas_jax.evals import decoding, figures, scoring
+from midas_jax.evals.options import context_length, option
 from midas_jax.evals.primitives import Example
 
 STATEMENTS = {
@@ -39,7 +42,6 @@ def applies(model, options) -> Optional[str]:
 
 def questions(num: int, seed: int, corpus_seed: int = 0) -> Dict[str, List[Example]]:
   """`num` distinct (person, attribute) questions under each condition, a pure function of the seeds."""
-  from midas_jax.data import corpus  # pylint: disable=import-outside-toplevel
   world = corpus.world(corpus_seed)
   rng = random.Random(f"midas-evals/memorization/{seed}")
   pairs = [(e, a) for e in world.entities for a in corpus.ATTRIBUTES]
@@ -61,8 +63,6 @@ def questions(num: int, seed: int, corpus_seed: int = 0) -> Dict[str, List[Examp
 def run_suite(model, workdir: str, out_dir: str, options: Mapping[str, Any]) -> Dict[str, Any]:
   """`memorization`: exact-match accuracy closed book, open book and open book with a counterfactual."""
   del workdir
-  from midas_jax.evals import decoding, report, scoring  # pylint: disable=import-outside-toplevel
-  from midas_jax.evals.suites import context_length, option  # pylint: disable=import-outside-toplevel
   start = time.time()
   sets = questions(option(options, "num_examples"), option(options, "seed"), model.config.data.corpus_seed)
   examples = [e for c in CONDITIONS for e in sets[c]]
@@ -79,7 +79,7 @@ def run_suite(model, workdir: str, out_dir: str, options: Mapping[str, Any]) -> 
                      for r, c in zip(mine, completions[i * len(mine):(i + 1) * len(mine)]))
       out[condition]["recalled"] = recalled / len(mine) if mine else 0.0
   chance = sum(e.meta["chance"] for e in sets["closed_book"]) / max(len(sets["closed_book"]), 1)
-  figure = report.bar_chart(f"{out_dir}/memorization.png", {c: out[c]["accuracy"] for c in CONDITIONS},
+  figure = figures.bar_chart(f"{out_dir}/memorization.png", {c: out[c]["accuracy"] for c in CONDITIONS},
                             title=f"world facts (step {model.step}); chance {chance:.3f}", reference=chance)
   return dict(out, num_questions=len(sets["closed_book"]), chance=chance, figures=[figure],
               eval_seconds=round(time.time() - start, 1))

@@ -42,6 +42,8 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 
 from midas_jax.data.corpus import is_held_out, math_question
 from midas_jax.errors import ConfigError, require
+from midas_jax.evals import decoding, figures, scoring
+from midas_jax.evals.options import context_length, option
 
 COPY_SYMBOLS = string.ascii_lowercase + string.digits + "#@%&*+"
 COPY_LENGTHS = (5, 10)
@@ -215,8 +217,6 @@ def task_names(options: Mapping[str, Any]) -> List[str]:
 
 def evaluate_k_shot(params, model_config, vocab, context_len: int, options: Mapping[str, Any]) -> Dict[str, Any]:
   """Greedy k-shot accuracy per task of one model (parameters + config); shared with the looping suite."""
-  from midas_jax.evals import decoding, scoring  # pylint: disable=import-outside-toplevel
-  from midas_jax.evals.suites import option  # pylint: disable=import-outside-toplevel
   k, num, seed = option(options, "k_shot"), option(options, "num_examples"), option(options, "seed")
   per_task, examples = {}, []
   for name in task_names(options):
@@ -240,12 +240,10 @@ def evaluate_k_shot(params, model_config, vocab, context_len: int, options: Mapp
 def run_suite(model, workdir: str, out_dir: str, options: Mapping[str, Any]) -> Dict[str, Any]:
   """`primitives`: k-shot exact-match accuracy of greedy decoding per primitive and depth."""
   del workdir
-  from midas_jax.evals import report  # pylint: disable=import-outside-toplevel
-  from midas_jax.evals.suites import context_length, option  # pylint: disable=import-outside-toplevel
   start = time.time()
   context_len = context_length(model)
   tasks = evaluate_k_shot(model.params, model.model_config, model.vocab, context_len, options)
-  figure = report.bar_chart(f"{out_dir}/primitives.png", {n: t["accuracy"] for n, t in tasks.items()},
+  figure = figures.bar_chart(f"{out_dir}/primitives.png", {n: t["accuracy"] for n, t in tasks.items()},
                             title=f"{option(options, 'k_shot')}-shot accuracy (step {model.step}, "
                                   f"depth {model.model_config.num_layers})")
   return {"k_shot": option(options, "k_shot"), "num_examples": option(options, "num_examples"),

@@ -12,70 +12,15 @@ stacked run side by side) gets one page with a column per run.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from midas_jax import fs
 from midas_jax.errors import ConfigError
+from midas_jax.evals import figures
+from midas_jax.train import goodput
+from midas_jax.train.metrics import read_metrics
 
 OBJECTIVE_KEYS = ("loss", "loss/causal", "loss/prefix", "loss/span")
-
-
-# ---------------------------------------------------------------------------------------------
-# Figures (also drawn by the suites)
-
-def _pyplot():
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  return plt
-
-
-def bar_chart(path: str, values: Mapping[str, float], title: str, reference: Optional[float] = None,
-              references: Optional[Mapping[str, float]] = None) -> str:
-  """Accuracies as bars (0 to 1), with an optional dashed reference line (or one dash per bar, e.g. each
-  task's chance level); returns the file name."""
-  plt = _pyplot()
-  fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(values) + 1.5), 3.6))
-  names = list(values)
-  ax.bar(range(len(names)), [values[n] for n in names], color="tab:blue")
-  for i, n in enumerate(names):
-    ax.text(i, values[n] + 0.01, f"{values[n]:.2f}", ha="center", va="bottom", fontsize=8)
-  if reference is not None:
-    ax.axhline(reference, color="gray", linestyle="--", linewidth=0.8, label="chance")
-    ax.legend(fontsize=8)
-  for i, n in enumerate(names):
-    if references and n in references:
-      ax.hlines(references[n], i - 0.45, i + 0.45, colors="gray", linestyles="--", linewidth=1.0,
-                label="chance" if i == 0 else None)
-  if references:
-    ax.legend(fontsize=8)
-  ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
-  ax.set_ylim(0, 1.05)
-  ax.set_ylabel("accuracy")
-  ax.set_title(title, fontsize=9)
-  fig.tight_layout()
-  fs.write_figure(path, fig, dpi=100)
-  plt.close(fig)
-  return fs.basename(path)
-
-
-def line_chart(path: str, series: Mapping[str, Sequence[float]], xs: Sequence[float], xlabel: str, ylabel: str,
-               title: str, ylim: Optional[Tuple[float, float]] = (0, 1.05)) -> str:
-  plt = _pyplot()
-  fig, ax = plt.subplots(figsize=(6, 3.8))
-  for name, ys in series.items():
-    ax.plot(list(xs), list(ys), marker="o", label=name)
-  ax.set_xticks(list(xs))
-  if ylim:
-    ax.set_ylim(*ylim)
-  ax.set_xlabel(xlabel)
-  ax.set_ylabel(ylabel)
-  ax.set_title(title, fontsize=9)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fs.write_figure(path, fig, dpi=100)
-  plt.close(fig)
-  return fs.basename(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,7 +56,6 @@ def _read_json(path: str) -> Optional[Dict[str, Any]]:
 
 
 def load_run(name: str, directory: str) -> Dict[str, Any]:
-  from midas_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
   stages = _read_json(fs.join(directory, "stages.json")) or {}
   evals = {}
   for path in fs.glob(fs.join(directory, "eval", "*.json")):
@@ -135,7 +79,7 @@ def plot_losses(runs: List[Dict[str, Any]], path: str) -> Optional[str]:
   keys = [k for k in OBJECTIVE_KEYS if any(k in r for run in runs for r in run["train"])]
   if not keys:
     return None
-  plt = _pyplot()
+  plt = figures.pyplot()
   fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False)
   for ax, key in zip(axes[0], keys):
     for run in runs:
@@ -161,7 +105,7 @@ def plot_losses(runs: List[Dict[str, Any]], path: str) -> Optional[str]:
 def plot_throughput(runs: List[Dict[str, Any]], path: str) -> Optional[str]:
   if not any("tokens_per_second" in r for run in runs for r in run["train"]):
     return None
-  plt = _pyplot()
+  plt = figures.pyplot()
   fig, ax = plt.subplots(figsize=(6.5, 3.6))
   for run in runs:
     rows = [r for r in run["train"] if "tokens_per_second" in r]
@@ -279,7 +223,6 @@ def _primitive_scores_section(runs, names: List[str]) -> List[str]:
 
 def goodput_rows(runs: List[Dict[str, Any]]) -> List[Tuple[str, Dict[str, float]]]:
   """(run name, seconds per activity) for the runs whose records carry time/* breakdowns."""
-  from midas_jax.train import goodput  # pylint: disable=import-outside-toplevel
   rows = []
   for run in runs:
     totals = goodput.summarize(run["time"])
@@ -290,7 +233,7 @@ def goodput_rows(runs: List[Dict[str, Any]]) -> List[Tuple[str, Dict[str, float]
 
 def plot_goodput(rows: List[Tuple[str, Dict[str, float]]], path: str) -> str:
   """One horizontal bar per run, stacked by activity, as shares of its wall time."""
-  plt = _pyplot()
+  plt = figures.pyplot()
   activities = list(rows[0][1])
   fig, ax = plt.subplots(figsize=(7.5, 0.7 * len(rows) + 1.6))
   colors = plt.get_cmap("tab10").colors

@@ -20,6 +20,8 @@ import numpy as np
 
 from midas_jax import fs
 from midas_jax.errors import ConfigError, require
+from midas_jax.evals import figures
+from midas_jax.stacking import operators
 
 
 def _is_weight_matrix(name: str) -> bool:
@@ -71,7 +73,6 @@ def similarity(params: Any, block_size: int = 1) -> Dict[str, Any]:
 def last_growth_provenance(operator: str, num_stages: int, block_size: int, stage: int,
                            start_blocks: int = 1) -> Optional[np.ndarray]:
   """The provenance map of the growth that made `stage` (None for stage 1): replayed from the operator."""
-  from midas_jax.stacking import operators  # pylint: disable=import-outside-toplevel
   if stage <= 1:
     return None
   depths = operators.stage_depths(operator, num_stages, block_size, start_blocks)
@@ -118,9 +119,7 @@ def _rounded(m: np.ndarray) -> list:
 def plot_heatmaps(matrices: Dict[str, np.ndarray], path: str, title: str, axis_label: str,
                   marks: Sequence[Tuple[int, int]] = ()) -> None:
   """One heatmap per entry (cosine in [-1, 1]), values written in cells when the matrix is small."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = figures.pyplot()
   names = list(matrices)
   cols = min(4, len(names))
   rows = -(-len(names) // cols)

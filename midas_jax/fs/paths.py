@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import glob as glob_lib
 import io
 import json
 import os
@@ -133,7 +134,6 @@ def glob(pattern: PathLike) -> List[str]:
   if not _WILDCARDS.search(text):
     return [text] if exists(text) else []
   if not is_remote(text):
-    import glob as glob_lib  # pylint: disable=import-outside-toplevel
     return sorted(glob_lib.glob(text, recursive=True))
   parts = text.split("/")
   first = next(i for i, part in enumerate(parts) if _WILDCARDS.search(part))

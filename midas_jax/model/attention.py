@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from midas_jax.errors import ConfigError
+from midas_jax.model.kernels import flash_attention
 from midas_jax.model.matmul import ATTENTION, dot, dot_to_float32
 
 # A masked score: exp(MASKED_SCORE - max) is 0 beside any visible score, and finite arithmetic
@@ -122,21 +123,20 @@ def resolve(implementation: str, platform: Optional[str] = None) -> str:
   return "dot_product" if (platform or jax.default_backend()) == "cpu" else "flash"
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
-           implementation: str = "auto") -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, implementation: str) -> jax.Array:
   """Scaled dot-product attention under `mask`; k and v may have fewer heads than q (grouped-query attention).
 
-  q [batch, queries, heads, head_dim]; k, v [batch, keys, kv_heads, head_dim]. The fused kernels are
-  for self-attention over one sequence; a decoding step (a few queries over a cache of keys, described
-  apart) is attended densely whatever the implementation: its scores are one row per query.
+  q [batch, queries, heads, head_dim]; k, v [batch, keys, kv_heads, head_dim]. implementation:
+  "dot_product" or "flash" ("auto" is resolved by the Decoder, for its platform). The fused kernels
+  are for self-attention over one sequence; a decoding step (a few queries over a cache of keys,
+  described apart) is attended densely whatever the implementation: its scores are one row per query.
   """
-  implementation = resolve(implementation)
   if implementation == "dot_product" or (implementation == "flash" and not mask.is_self_attention):
     return dense_attention(q, k, v, mask)
   if implementation == "flash":
     return _sharded_flash(q, k, v, mask)
   raise ConfigError("ModelConfig.attention", f"unknown attention implementation {implementation!r}",
-                    "use 'auto', 'dot_product' or 'flash'")
+                    "use 'auto', 'dot_product' or 'flash' ('auto' is resolved by model.Decoder)")
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask) -> jax.Array:
@@ -162,7 +162,6 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMas
 
 def _sharded_flash(q, k, v, mask: AttentionMask):
   """The flash kernels on each device's rows and heads (a kernel is opaque to XLA's partitioner)."""
-  from midas_jax.model.kernels import flash_attention  # pylint: disable=import-outside-toplevel
   mesh = jax.sharding.get_abstract_mesh()
   args = (q, k, v, mask.segment_ids, mask.causal_positions)
   if mesh.empty:

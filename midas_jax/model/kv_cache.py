@@ -14,7 +14,7 @@ prefix's keys and values never depend on later tokens, so decoding with the cach
 full forward pass over the grown sequence computes.
 
 The parameters are the Decoder's (nothing is stored differently); a looped model keeps one cache
-entry per application of a layer (model/looping.py).
+entry per application of a layer (model/layer_order.py).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from midas_jax.configs import ModelConfig
-from midas_jax.model import looping
+from midas_jax.model import layer_order
 from midas_jax.model.attention import AttentionMask, describe_mask
-from midas_jax.model.layers import Block, dtype_of
+from midas_jax.model.layers import dtype_of
 from midas_jax.model.transformer import Decoder
 
 
@@ -46,37 +46,19 @@ class LayerCache(NamedTuple):
     return k, v, LayerCache(k, v, self.index + keys.shape[1])
 
 
-def _layer_order(cfg: ModelConfig):
-  """The layer indices in execution order (a looped model repeats its block)."""
-  order = looping.order_for(cfg)
-  return jnp.arange(cfg.num_layers) if order is None else jnp.asarray(order)
-
-
 def empty_cache(cfg: ModelConfig, batch_size: int, width: int) -> LayerCache:
   """Zeros for every layer application, stacked on a leading axis (as the parameters are)."""
-  n = len(_layer_order(cfg))
+  n = len(layer_order.execution_order(cfg))
   shape = (n, batch_size, width, cfg.kv_heads, cfg.resolved_head_dim)
   zeros = jnp.zeros(shape, dtype_of(cfg.dtype))
   return LayerCache(zeros, zeros, jnp.zeros((n, batch_size), jnp.int32))
-
-
-def _run_layers(params, cfg: ModelConfig, x, positions, mask, cache: LayerCache):
-  """Applies the layers in order, each with its own cache entry, as one scan."""
-  order = _layer_order(cfg)
-  layer_params = jax.tree.map(lambda p: p[order], params["layers"])
-
-  def body(h, inputs):
-    p, layer_cache = inputs
-    return Block(cfg, parent=None).apply({"params": p}, h, positions, mask, layer_cache)
-
-  return jax.lax.scan(body, x, (layer_params, cache))
 
 
 def _forward(params, cfg: ModelConfig, tokens, positions, mask, cache: LayerCache, last):
   """Logits [batch, vocab] at position `last[r]` of each row's new tokens, and the updated cache."""
   decoder = Decoder(cfg)
   x = decoder.apply({"params": params}, tokens, positions, method=Decoder.embed)
-  x, cache = _run_layers(params, cfg, x, positions, mask, cache)
+  x, cache = decoder.apply({"params": params}, x, positions, mask, cache, method=Decoder.cached_layers)
   x = jnp.take_along_axis(x, last[:, None, None], axis=1)
   return decoder.apply({"params": params}, x, method=Decoder.logits)[:, 0], cache
 

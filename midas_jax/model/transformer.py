@@ -6,14 +6,15 @@ The blocks are scanned (nn.scan), so every per-layer parameter carries a leading
 
 from __future__ import annotations
 
-from typing import Mapping
+import dataclasses
+from typing import Mapping, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from midas_jax.configs import ModelConfig
-from midas_jax.model import looping, matmul
+from midas_jax.model import attention, layer_order, matmul
 from midas_jax.model.attention import describe_mask
 from midas_jax.model.layers import Block, Norm, dtype_of, param, weight_init
 
@@ -53,13 +54,24 @@ def scanned_blocks(cfg: ModelConfig, num_layers: int):
 
 
 class Decoder(nn.Module):
-  """Maps a batch (docs/architecture.md#one-example-format) to float32 logits [batch, length, vocab]."""
+  """Maps a batch (docs/architecture.md#one-example-format) to float32 logits [batch, length, vocab].
+
+  platform: where the program runs, which ModelConfig.attention = "auto" is resolved for (None:
+  jax's default backend). Set it when compiling for another platform, e.g. a TPU slice from a CPU
+  host. The resolution happens here and nowhere else: every layer gets `layer_cfg`.
+  """
 
   cfg: ModelConfig
+  platform: Optional[str] = None
+
+  @property
+  def attention_implementation(self) -> str:
+    """ModelConfig.attention resolved for `platform`: "dot_product" or "flash"."""
+    return attention.resolve(self.cfg.attention, self.platform)
 
   def setup(self):
-    cfg = self.cfg
-    assert cfg.vocab_size is not None, "call ModelConfig.with_vocab() before building the model"
+    assert self.cfg.vocab_size is not None, "call ModelConfig.with_vocab() before building the model"
+    self.layer_cfg = cfg = dataclasses.replace(self.cfg, attention=self.attention_implementation)
     embed_init = weight_init(cfg, fan_in=cfg.d_model)
     self.embedding = param(self, "embedding", embed_init, (cfg.vocab_size, cfg.d_model),
                            ("vocab", "embed"), cfg)
@@ -99,7 +111,7 @@ class Decoder(nn.Module):
     # Described once per batch, read by every layer (docs/architecture.md#the-mask-is-described-not-built).
     mask = describe_mask(batch["segment_ids"], positions, batch["prefix_mask"])
     x = self.embed(batch["inputs"], positions)
-    order = looping.order_for(self.cfg)
+    order = layer_order.order_for(self.cfg)
     if order is None or self.is_initializing():  # initializing creates the num_layers unique layers
       x, _ = self.layers(x, positions, mask)
     else:
@@ -107,15 +119,28 @@ class Decoder(nn.Module):
     return self.final_norm(x)
 
   def _looped_layers(self, x, positions, mask, order):
-    """The layer stack run in `order` (a block repeated): see model/looping.py."""
-    cfg = self.cfg
+    """The layer stack run in `order` (a block repeated): see model/layer_order.py."""
+    cfg = self.layer_cfg
     layer_params = nn.unbox(self.variables["params"]["layers"])
 
     def block(params, h):
       return Block(cfg, parent=None).apply({"params": params}, h, positions, mask)[0]
 
     policy = None if cfg.remat_policy == "none" else REMAT_POLICIES[cfg.remat_policy]
-    return looping.run_in_order(block, layer_params, x, order, policy)
+    return layer_order.run_in_order(block, layer_params, x, order, policy)
+
+  def cached_layers(self, x, positions, mask, cache):
+    """The layers applied in execution order, each with its own entry of `cache` (a kv_cache.LayerCache
+    stacked over layer applications), as one scan: (output, updated cache). See model/kv_cache.py."""
+    cfg = self.layer_cfg
+    order = layer_order.execution_order(cfg)
+    layer_params = jax.tree.map(lambda p: p[order], nn.unbox(self.variables["params"]["layers"]))
+
+    def body(h, inputs):
+      p, layer_cache = inputs
+      return Block(cfg, parent=None).apply({"params": p}, h, positions, mask, layer_cache)
+
+    return jax.lax.scan(body, x, (layer_params, cache))
 
 
 def dummy_batch(batch_size: int, seq_len: int) -> dict:

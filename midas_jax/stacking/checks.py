@@ -1,9 +1,9 @@
 """Checks of a RunConfig that need the stacking operators and schedules.
 
 They sit here rather than in configs.py so that configs.py imports nothing of the package (the
-operators and schedules import configs). `validate` runs where a run starts: when gin builds the
-RunConfig (gin_config.run_config_from_gin) and when the stage controller takes a config from Python,
-so a bad stacking setting stops a run before anything is compiled.
+operators and schedules import configs). `schedule_for` runs where a run starts (train/run.py, and
+for every arm at once where several are trained: compare.py, the studies), so a bad stacking
+setting stops a run before anything is compiled, and the schedule it checks is the one the run uses.
 
 A setting that is legal but almost surely not meant (a warmup longer than the first stage, which
 trains the first, shallowest model below the peak rate throughout) is warned about, not refused:
@@ -38,8 +38,10 @@ def warmup_problem(config: RunConfig, stage_steps: Sequence[int], first_depth: i
           "(StackingConfig.stage_steps or alpha).")
 
 
-def validate(config: RunConfig) -> RunConfig:
-  """Raises ConfigError, naming the setting, when the stacking settings cannot describe a run."""
+def schedule_for(config: RunConfig) -> schedule.StageSchedule:
+  """The run's stage schedule, every growth's provenance map included, computed once and checked:
+  ConfigError naming the setting when the stacking settings cannot describe the run, ScheduleWarning
+  when they can but likely not as meant."""
   st, layers, num_steps = config.stacking, config.model.num_layers, config.trainer.num_steps
   s = "StackingConfig."
   operators.get_operator(st.operator)
@@ -47,9 +49,27 @@ def validate(config: RunConfig) -> RunConfig:
     require(sum(st.stage_steps) == num_steps, s + "stage_steps",
             f"{st.stage_steps} sum to {sum(st.stage_steps)}, not TrainerConfig.num_steps={num_steps}",
             "make the stage steps add up to num_steps, or leave stage_steps None for Prop-alpha")
+  if st.num_stages > 1:
+    _check_blocks(config)
+  stages = schedule.schedule_from_config(st, num_steps, layers)
   if st.num_stages == 1:
-    return config
-  k = st.num_stages
+    return stages
+  problem = warmup_problem(config, stages.stage_steps, stages.depths[0])
+  if problem:
+    warnings.warn(problem, ScheduleWarning, stacklevel=2)
+  if st.lr_schedule == "rewarm":
+    rewarm = st.resolved_rewarm_steps(config.optimizer.warmup_steps)
+    short = [i + 1 for i, t in enumerate(stages.stage_steps) if i > 0 and t < rewarm]
+    require(not short, s + "rewarm_steps",
+            f"the re-warmup ({rewarm} steps) is longer than stage(s) {short} (stage steps {stages.stage_steps})",
+            "lower StackingConfig.rewarm_steps (0 means OptimizerConfig.warmup_steps), or use fewer stages")
+  return stages
+
+
+def _check_blocks(config: RunConfig) -> None:
+  """Stages and block size against the depth: the errors that name the setting to change."""
+  st, layers, num_steps = config.stacking, config.model.num_layers, config.trainer.num_steps
+  s, k = "StackingConfig.", st.num_stages
   require(k <= num_steps, s + "num_stages", f"{k} stages but only TrainerConfig.num_steps={num_steps}",
           "use at most num_steps stages (every stage needs a step), or train longer")
   if st.block_size is None:
@@ -61,22 +81,3 @@ def validate(config: RunConfig) -> RunConfig:
     require(layers % st.block_size == 0, s + "block_size",
             f"block_size={st.block_size} does not divide ModelConfig.num_layers={layers}",
             "choose a block size that divides num_layers")
-  # Simulated, not k * b: an operator such as gstack need not add one block per stage.
-  b = st.resolved_block_size(layers)
-  depths = operators.stage_depths(st.operator, k, b, st.start_blocks)
-  require(depths[-1] == layers, s + "num_stages",
-          f"{k} stages of {st.operator!r} growth from {st.start_blocks} block(s) of {b} layers end at depth "
-          f"{depths[-1]} (stage depths {depths}), not ModelConfig.num_layers={layers}",
-          f"for one block per stage make (num_stages + start_blocks - 1) * block_size = num_layers "
-          f"(e.g. num_stages={layers // b - st.start_blocks + 1})")
-  steps = st.stage_steps or schedule.prop_alpha_steps(num_steps, k, st.alpha, st.start_blocks)
-  problem = warmup_problem(config, steps, depths[0])
-  if problem:
-    warnings.warn(problem, ScheduleWarning, stacklevel=2)
-  if st.lr_schedule == "rewarm":
-    rewarm = st.resolved_rewarm_steps(config.optimizer.warmup_steps)
-    short = [i + 1 for i, t in enumerate(steps) if i > 0 and t < rewarm]
-    require(not short, s + "rewarm_steps",
-            f"the re-warmup ({rewarm} steps) is longer than stage(s) {short} (stage steps {tuple(steps)})",
-            "lower StackingConfig.rewarm_steps (0 means OptimizerConfig.warmup_steps), or use fewer stages")
-  return config

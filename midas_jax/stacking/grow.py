@@ -7,11 +7,11 @@ moment mirroring one (Adam's mu/nu, Adafactor's factored v_row/v_col), becomes
 
 The `layers` axis is found from the logical axis names, never from shapes, and is never sharded
 (MeshConfig refuses rules that map it), so growth changes only that axis: every other dimension keeps
-its mesh layout and the gather moves no data between devices. The new model's layout comes from an
-experiment built for the deeper model:
+its mesh layout and the gather moves no data between devices. The new model's layout comes from a
+stage built for the deeper model (train/build.py):
 
-  new_exp = build_experiment(config, data=(exp.vocab, exp.pipeline), num_layers=len(provenance))
-  grower = make_grower(exp.layout, new_exp.layout, provenance, new_moments="copy")
+  deeper = build_stage(config, data=(build.vocab, build.pipeline), num_layers=len(provenance))
+  grower = make_grower(build.layout, deeper.layout, provenance, new_moments="copy")
   state = grower(state)            # grower(state, fresh_state) when provenance has -1 entries
 """
 
@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from midas_jax.configs import GROWTH_MOMENTS
 from midas_jax.errors import require
 from midas_jax.stacking.operators import new_layer_mask
-from midas_jax.train.state import StateLayout, TrainState
+from midas_jax.train_state import StateLayout, TrainState
 
 LAYERS = "layers"
 
@@ -164,7 +164,7 @@ def make_grower(old_layout: StateLayout, new_layout: StateLayout, provenance: Se
   old_depth, new_depth = _depth(old_layout), _depth(new_layout)
   require(len(prov) == new_depth and bool(np.all((prov >= -1) & (prov < old_depth))), "provenance",
           f"{prov.tolist()} does not map {old_depth} old layers to the new layout's {new_depth}",
-          "build the new experiment at depth len(provenance) (build_experiment(..., num_layers=))")
+          "build the new stage at depth len(provenance) (build_stage(..., num_layers=))")
   _check_layers_unsharded(old_layout, "old")
   _check_layers_unsharded(new_layout, "new")
   needs_fresh = bool((prov < 0).any())

@@ -81,7 +81,7 @@ def gstack(num_blocks: int, block_size: int) -> np.ndarray:
   """Extension example: G_stack (Du et al. 2024), the whole model stacked on itself, so depth doubles.
 
   This breaks the "stage i has i blocks" rule of MIDAS and GradStack: stage i has 2^(i-1) blocks.
-  `schedule.schedule_from_config` accounts for it by simulating the operator (`stage_depths`), so the
+  `schedule.schedule_from_config` accounts for it by running the operator (`growth_maps`), so the
   config must satisfy num_layers == block_size * 2^(num_stages - 1); the trainer takes each new depth
   from len(provenance), never from the stage number.
   """
@@ -108,12 +108,21 @@ def provenance_for(name: str, num_layers: int, block_size: int) -> np.ndarray:
   return prov.astype(np.int64)
 
 
+def growth_maps(name: str, num_stages: int, block_size: int, start_blocks: int = 1) -> List[np.ndarray]:
+  """The provenance map of every growth when growth starts from `start_blocks` blocks and applies
+  `name` num_stages - 1 times: maps[i] grows stage i + 1 into stage i + 2."""
+  maps: List[np.ndarray] = []
+  depth = start_blocks * block_size
+  for _ in range(num_stages - 1):
+    maps.append(provenance_for(name, depth, block_size))
+    depth = len(maps[-1])
+  return maps
+
+
 def stage_depths(name: str, num_stages: int, block_size: int, start_blocks: int = 1) -> Tuple[int, ...]:
   """Depth of every stage when growth starts from `start_blocks` blocks and applies `name` num_stages-1 times."""
-  depths = [start_blocks * block_size]
-  for _ in range(num_stages - 1):
-    depths.append(len(provenance_for(name, depths[-1], block_size)))
-  return tuple(depths)
+  maps = growth_maps(name, num_stages, block_size, start_blocks)
+  return (start_blocks * block_size,) + tuple(len(m) for m in maps)
 
 
 def new_layer_mask(provenance: Sequence[int]) -> np.ndarray:

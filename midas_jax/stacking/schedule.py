@@ -3,6 +3,8 @@
 Stage i (1-indexed) of k runs T_i steps at depth d_i. Steps are 0-indexed like the train loop's:
 stage i covers steps [starts[i-1], starts[i-1] + T_i), and growth into stage i happens just before
 step starts[i-1] (the `boundaries`). Prop-alpha (MIDAS paper, 1b) sets T_i proportional to i^alpha.
+A schedule built from a StackingConfig also holds the operator's provenance map of every growth, so
+a run computes them once, with the schedule (stacking/checks.py's `schedule_for` does, for a run).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import bisect
 import dataclasses
 import json
 import math
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
 
 from midas_jax import flops
 from midas_jax.configs import ModelConfig, StackingConfig
@@ -66,11 +70,16 @@ def stage_at(step: int, starts: Sequence[int]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StageSchedule:
-  """Steps and depth of every stage. depths defaults to i * block_size (stage i has i blocks)."""
+  """Steps and depth of every stage. depths defaults to i * block_size (stage i has i blocks).
+
+  provenances[i]: the provenance map (operators.py) that grows stage i + 1 into stage i + 2, one
+  per boundary; empty for a schedule described without its operator (speedup arithmetic).
+  """
 
   stage_steps: Tuple[int, ...]
   block_size: int
   depths: Optional[Tuple[int, ...]] = None
+  provenances: Tuple[Tuple[int, ...], ...] = ()
   starts: Tuple[int, ...] = dataclasses.field(init=False)
   num_stages: int = dataclasses.field(init=False)
 
@@ -83,8 +92,13 @@ class StageSchedule:
     require(len(depths) == len(steps) and all(d >= 1 for d in depths), "StageSchedule.depths",
             f"need one positive depth per stage, got {depths} for {len(steps)} stages",
             "list one depth per stage, or leave depths None for i * block_size")
+    provenances = tuple(tuple(int(p) for p in m) for m in self.provenances)
+    require(not provenances or [len(m) for m in provenances] == list(depths[1:]), "StageSchedule.provenances",
+            f"need one map per growth, of the next stage's depth; got lengths {[len(m) for m in provenances]} "
+            f"for depths {depths}", "pass the operator's maps (operators.growth_maps), or none")
     object.__setattr__(self, "stage_steps", steps)
     object.__setattr__(self, "depths", depths)
+    object.__setattr__(self, "provenances", provenances)
     object.__setattr__(self, "starts", stage_starts(steps))
     object.__setattr__(self, "num_stages", len(steps))
 
@@ -103,16 +117,32 @@ class StageSchedule:
   def depth_at(self, step: int) -> int:
     return self.depths[self.stage_at(step) - 1]
 
+  def provenance_into(self, stage: int) -> np.ndarray:
+    """The provenance map of the growth into `stage` (2..num_stages)."""
+    require(len(self.provenances) == self.num_stages - 1 and 2 <= stage <= self.num_stages, "stage",
+            f"no growth into stage {stage} is known ({self.num_stages} stages, {len(self.provenances)} maps)",
+            "build the schedule with schedule_from_config, which records every growth's map")
+    return np.asarray(self.provenances[stage - 2], np.int64)
+
+  def lineage(self, stage: int) -> List[operators.LayerRecord]:
+    """The birth record of every layer of `stage`, replayed from stage 1."""
+    records = operators.initial_lineage(self.depths[0])
+    for s in range(2, stage + 1):
+      records = operators.compose_lineage(records, self.provenance_into(s), s)
+    return records
+
   def to_dict(self) -> dict:
     return {"stage_steps": list(self.stage_steps), "starts": list(self.starts),
-            "block_size": self.block_size, "num_stages": self.num_stages, "depths": list(self.depths)}
+            "block_size": self.block_size, "num_stages": self.num_stages, "depths": list(self.depths),
+            "provenances": [list(m) for m in self.provenances]}
 
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), sort_keys=True)
 
   @classmethod
   def from_dict(cls, d: dict) -> "StageSchedule":
-    return cls(tuple(d["stage_steps"]), d["block_size"], tuple(d["depths"]))
+    return cls(tuple(d["stage_steps"]), d["block_size"], tuple(d["depths"]),
+               tuple(tuple(m) for m in d.get("provenances", ())))
 
 
 def schedule_from_config(stacking: StackingConfig, num_steps: int, num_layers: int) -> StageSchedule:
@@ -125,12 +155,15 @@ def schedule_from_config(stacking: StackingConfig, num_steps: int, num_layers: i
   require(sum(steps) == num_steps, "StackingConfig.stage_steps",
           f"stage_steps {tuple(steps)} sum to {sum(steps)}, not TrainerConfig.num_steps={num_steps}",
           "make the stage steps add up to num_steps, or leave stage_steps None for Prop-alpha")
-  depths = operators.stage_depths(stacking.operator, k, b, stacking.start_blocks)
+  # Simulated, not k * b: an operator such as gstack need not add one block per stage.
+  maps = operators.growth_maps(stacking.operator, k, b, stacking.start_blocks)
+  depths = (stacking.start_blocks * b,) + tuple(len(m) for m in maps)
   require(depths[-1] == num_layers, "StackingConfig.num_stages",
-          f"{k} stages of operator {stacking.operator!r} from {stacking.start_blocks} block(s) of {b} layers end "
-          f"at depth {depths[-1]}, not ModelConfig.num_layers={num_layers} (stage depths {depths})",
-          "choose num_stages and block_size so the last stage has num_layers layers")
-  return StageSchedule(tuple(steps), b, depths)
+          f"{k} stages of {stacking.operator!r} growth from {stacking.start_blocks} block(s) of {b} layers end "
+          f"at depth {depths[-1]} (stage depths {depths}), not ModelConfig.num_layers={num_layers}",
+          f"for one block per stage make (num_stages + start_blocks - 1) * block_size = num_layers "
+          f"(e.g. num_stages={num_layers // b - stacking.start_blocks + 1})")
+  return StageSchedule(tuple(steps), b, depths, tuple(tuple(m.tolist()) for m in maps))
 
 
 def layer_only_speedup(num_stages: int, alpha: float) -> float:

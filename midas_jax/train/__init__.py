@@ -1,1 +1,1 @@
-"""Training: the step, the loop, and what it records (metrics, progress)."""
+"""Training: a stage's build and step, the stage controller, the loop, resuming, and what a run records."""

@@ -18,7 +18,8 @@ from typing import Any, Dict, List, Mapping, Optional
 import tqdm
 
 from midas_jax import fs
-from midas_jax.console import is_tty as _is_tty, say
+from midas_jax.console import is_tty as _is_tty
+from midas_jax.console import say
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

@@ -22,11 +22,12 @@ import threading
 
 import jax
 import numpy as np
+from jax._src import distributed  # the preemption service's state has no public accessor
+from jax.experimental import multihost_utils
 
 
 def _service_active() -> bool:
   """Whether jax.distributed runs with its preemption sync manager (multi-process jobs)."""
-  from jax._src import distributed  # pylint: disable=import-outside-toplevel
   state = distributed.global_state
   return state.client is not None and state.preemption_sync_manager is not None
 
@@ -69,7 +70,6 @@ class PreemptionGuard:
 
   def stop_after(self, step: int) -> bool:
     """Whether to save and stop after `step` (on every process at the same step)."""
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     if self._agreed:
       return bool(multihost_utils.reached_preemption_sync_point(step))
     if jax.process_count() > 1:  # the service was turned off: an allgather, which waits for the step

@@ -4,7 +4,7 @@ Saves are tried newest first. One that cannot be read is reported and moved asid
 and the one before it is tried. A save written under a different config is refused before anything
 is compiled, unless the differences are allowed (metadata.check_resumable).
 
-In a multi-process job the processes agree (train/hosts.py): every one tries the step process 0
+In a multi-process job the processes agree (hosts.py): every one tries the step process 0
 names, a save counts as good only if it restored on all of them, and a bad one is moved aside by
 process 0 alone while the others wait, so all of them continue from the same step.
 """
@@ -16,14 +16,14 @@ from typing import Any, Dict, Sequence, Tuple
 
 import jax
 
-from midas_jax import fs
+from midas_jax import fs, hosts
 from midas_jax.checkpoint import metadata as metadata_lib
 from midas_jax.checkpoint.export import load_model
 from midas_jax.checkpoint.manager import CorruptCheckpointError
 from midas_jax.errors import ConfigError
-from midas_jax.stacking.controller import Stage, StageController
-from midas_jax.train import hosts
-from midas_jax.train.state import TrainState
+from midas_jax.train.checkpointer import Checkpointer
+from midas_jax.train.stages import Stage, StageController
+from midas_jax.train_state import TrainState
 
 
 @dataclasses.dataclass
@@ -48,11 +48,11 @@ def _check_depth(controller: StageController, meta: Dict[str, Any], step: int) -
 
 
 def _initial_state(controller: StageController, init_from: str) -> Tuple[TrainState, Stage]:
-  stage = controller.stage_at(0)
+  stage = controller.stage(1)
   if not init_from:
-    return stage.experiment.init_state(), stage
+    return stage.build.init_state(), stage
   loaded = load_model(fs.check(init_from, "CheckpointConfig.init_from"))
-  want = jax.tree.map(lambda a: (a.shape, str(a.dtype)), stage.experiment.layout.abstract.params)
+  want = jax.tree.map(lambda a: (a.shape, str(a.dtype)), stage.build.layout.abstract.params)
   have = jax.tree.map(lambda a: (a.shape, str(a.dtype)), loaded.params)
   if want != have:
     fix = "start from an export of the same model shape, or set ModelConfig to match it"
@@ -61,12 +61,12 @@ def _initial_state(controller: StageController, init_from: str) -> Tuple[TrainSt
       fix = (f"to grow the {depth}-layer model, start the stages at its depth: StackingConfig.start_blocks = "
              f"{depth // block} (blocks of {block} layers)")
     raise ConfigError("CheckpointConfig.init_from", f"the parameters in {init_from} do not fit the first "
-                      f"stage's model (depth {stage.depth}): {loaded.model_config} vs {stage.experiment.model_config}",
+                      f"stage's model (depth {stage.depth}): {loaded.model_config} vs {stage.build.model_config}",
                       fix)
-  return stage.experiment.init_state_from_params(loaded.params), stage
+  return stage.build.init_state_from_params(loaded.params), stage
 
 
-def start(controller: StageController, checkpointer, resolved_config: Dict[str, Any],
+def start(controller: StageController, checkpointer: Checkpointer, resolved_config: Dict[str, Any],
           allow_config_changes: Sequence[str] = ()) -> Start:
   """The state a run continues from; controller.growths gets the growths done before it."""
   tried = set()
@@ -86,7 +86,7 @@ def start(controller: StageController, checkpointer, resolved_config: Dict[str, 
   return Start(0, state, stage)
 
 
-def _restore(controller: StageController, checkpointer, step: int, resolved_config: Dict[str, Any],
+def _restore(controller: StageController, checkpointer: Checkpointer, step: int, resolved_config: Dict[str, Any],
              allow_config_changes: Sequence[str]):
   """((metadata, state, stage, accepted changes), None), or (None, why the save is unusable)."""
   try:
@@ -96,7 +96,7 @@ def _restore(controller: StageController, checkpointer, step: int, resolved_conf
     accepted = metadata_lib.check_resumable(meta["config"], resolved_config, allow_config_changes)
     _check_depth(controller, meta, step)
     stage = controller.stage(int(meta.get("stage", 1)))
-    state = checkpointer.restore(stage.experiment, step)
+    state = checkpointer.restore(stage.build.layout, step)
   except CorruptCheckpointError as e:
     return None, str(e)
   return (meta, state, stage, accepted), None

@@ -15,11 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from midas_jax.data.objectives import OBJECTIVES
 from midas_jax.model import Decoder
-from midas_jax.train.state import TrainState
-
-# Objective ids carried by every row (docs/architecture.md#one-example-format); metrics report each beside the total.
-OBJECTIVES = ("causal", "prefix", "span")
+from midas_jax.train_state import TrainState
 
 
 def loss_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array,

@@ -99,9 +99,6 @@ class EpochLayout:
     self._rotation_key = streams.mix(key + streams.GAMMA)           # per epoch: stream offset
     self._order_key = streams.mix(key + streams.GAMMA + streams.GAMMA)          # per epoch: window order
 
-  def epoch_of(self, rows: np.ndarray) -> np.ndarray:
-    return np.asarray(rows, np.int64) // self.rows
-
   def windows(self, rows) -> Windows:
     """The windows of global rows `rows` (any epochs)."""
     rows = np.asarray(rows, np.int64)

@@ -23,7 +23,7 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 
 from midas_jax.configs import DataConfig
-from midas_jax.data import corpus, sources
+from midas_jax.data import corpus, seqio_source, sources
 from midas_jax.data.store import format as store_format
 from midas_jax.errors import ConfigError, require
 
@@ -79,7 +79,6 @@ def token_documents(part: Part, config: DataConfig, vocab, first_index: int = 0
   first_index: the number of documents of the text parts before this one (holdout numbering).
   """
   if part.kind == "seqio":
-    from midas_jax.data import seqio_source  # pylint: disable=import-outside-toplevel
     for doc in seqio_source.task_documents(config, part.split, vocab, (int(part.ref), part.shards)):
       yield part.split, doc
     return
@@ -104,7 +103,6 @@ def _texts(part: Part, config: DataConfig) -> Iterator[str]:
 
 
 def _seqio_shards(config: DataConfig, split: str) -> int:
-  from midas_jax.data import seqio_source  # pylint: disable=import-outside-toplevel
   seqio = seqio_source.import_seqio()
   task = seqio_source.get_task(seqio, config.seqio_task)
   return max(1, len(task.source.list_shards(seqio_source.task_split(config, split))))

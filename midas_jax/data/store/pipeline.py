@@ -173,9 +173,10 @@ class PreparedPipeline:
     in the split, its first token in that document and its raw length (-1 / 0 where no example)."""
     return self._rows(split, self._global_rows(step, process_index, process_count))
 
-  def epoch(self, steps: int) -> float:
-    """Epochs of the train split completed after `steps` steps (fractional)."""
-    return steps * self.config.batch_size / self.layouts["train"].rows
+  def progress(self, steps: int) -> Dict[str, float]:
+    """How far `steps` steps are through the data, for the train records: "epoch", the epochs of
+    the train split completed (fractional; every document once per epoch)."""
+    return {"epoch": steps * self.config.batch_size / self.layouts["train"].rows}
 
   def describe(self) -> Dict[str, object]:
     """The mixture, the pinned special-token ids and the store, for config files and checkpoints."""

@@ -28,7 +28,7 @@ from midas_jax import fs
 from midas_jax.configs import DataConfig
 from midas_jax.data.store import format as store_format
 from midas_jax.data.store import origins, writer
-from midas_jax.data.vocab import make_vocabulary
+from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import ConfigError, require
 
 DIRECT_RUNNERS = ("DirectRunner", "direct")
@@ -140,7 +140,8 @@ def pipeline_arguments(runner: str, num_workers: int, extra: Sequence[str]) -> L
 def run_beam(plan: Plan, runner: str = "DirectRunner", num_workers: int = 1, extra: Sequence[str] = ()) -> None:
   try:
     import apache_beam as beam  # pylint: disable=import-outside-toplevel
-    from apache_beam.options.pipeline_options import PipelineOptions  # pylint: disable=import-outside-toplevel
+    from apache_beam.options.pipeline_options import (
+      PipelineOptions)  # pylint: disable=import-outside-toplevel
   except ImportError as e:
     raise ConfigError("--runner", f"`midas data prepare` needs Apache Beam ({e})", "pip install 'midas_jax[data]'") from e
   try:

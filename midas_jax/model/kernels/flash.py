@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pl_triton
 
 from midas_jax.model.kernels import block_tables as tables_lib
 from midas_jax.model.kernels import flash_kernels
@@ -130,7 +131,6 @@ def _spec(shape, index):
 def _call(backend: str, kernel, grid, in_specs, out_specs, out_shape, operands, tables, vmem_bytes: int):
   """pallas_call for one backend. The two flat block tables come first in every kernel's signature."""
   if backend == "gpu":
-    from jax.experimental.pallas import triton as pl_triton  # pylint: disable=import-outside-toplevel
     table_spec = pl.BlockSpec(tables.shape, lambda *_: (0,))
     params = pl_triton.CompilerParams(num_warps=4, num_stages=2)
     return pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=[table_spec, table_spec] + in_specs,

@@ -15,6 +15,9 @@ import time
 from typing import Any, Dict, Mapping, Optional
 
 from midas_jax.errors import require
+from midas_jax.evals import figures, primitives
+from midas_jax.evals.options import context_length, option
+from midas_jax.model import layer_order
 
 
 def block_size(model, options: Mapping[str, Any]) -> Optional[int]:
@@ -39,9 +42,6 @@ def applies(model, options) -> Optional[str]:
 def run_suite(model, workdir: str, out_dir: str, options: Mapping[str, Any]) -> Dict[str, Any]:
   """`looping`: k-shot primitive accuracy with the middle block applied r = 1, 2, 3... times."""
   del workdir
-  from midas_jax.evals import primitives, report  # pylint: disable=import-outside-toplevel
-  from midas_jax.evals.suites import context_length, option  # pylint: disable=import-outside-toplevel
-  from midas_jax.model import looping  # pylint: disable=import-outside-toplevel
   start = time.time()
   b = block_size(model, options)
   repeats = sorted({1, *(int(r) for r in option(options, "loop_repeats"))})
@@ -50,19 +50,19 @@ def run_suite(model, workdir: str, out_dir: str, options: Mapping[str, Any]) -> 
   cfg = model.model_config
   by_repeat = {}
   for r in repeats:
-    looped = looping.loop_middle_block(cfg, b, r) if r > 1 else cfg
+    looped = layer_order.loop_middle_block(cfg, b, r) if r > 1 else cfg
     by_repeat[r] = primitives.evaluate_k_shot(model.params, looped, model.vocab, context_length(model), options)
   tasks = {name: {"primitive": by_repeat[1][name]["primitive"], "depth": by_repeat[1][name]["depth"],
                   "accuracy": {str(r): by_repeat[r][name]["accuracy"] for r in repeats},
                   "samples": {str(r): by_repeat[r][name]["samples"] for r in repeats}}
            for name in by_repeat[1]}
-  figure = report.line_chart(f"{out_dir}/looping.png",
+  figure = figures.line_chart(f"{out_dir}/looping.png",
                              {name: [by_repeat[r][name]["accuracy"] for r in repeats] for name in tasks}, repeats,
                              xlabel="applications r of the middle block", ylabel="accuracy",
                              title=f"{option(options, 'k_shot')}-shot accuracy with block "
-                                   f"[{looping.middle_block(cfg.num_layers, b)}, "
-                                   f"{looping.middle_block(cfg.num_layers, b) + b}) looped (step {model.step})")
-  return {"block_size": b, "loop_start": looping.middle_block(cfg.num_layers, b), "repeats": repeats,
+                                   f"[{layer_order.middle_block(cfg.num_layers, b)}, "
+                                   f"{layer_order.middle_block(cfg.num_layers, b) + b}) looped (step {model.step})")
+  return {"block_size": b, "loop_start": layer_order.middle_block(cfg.num_layers, b), "repeats": repeats,
           "effective_depth": {str(r): cfg.num_layers + (r - 1) * b for r in repeats},
           "k_shot": option(options, "k_shot"), "num_examples": option(options, "num_examples"),
           "tasks": tasks, "figures": [figure], "eval_seconds": round(time.time() - start, 1)}

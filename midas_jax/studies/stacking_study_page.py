@@ -23,6 +23,7 @@ import numpy as np
 
 from midas_jax import fs
 from midas_jax.compare import loss_at_flops
+from midas_jax.evals import figures
 from midas_jax.evals.likelihood import SCORES
 
 FIGURES = "study"  # DIR/study/*.png
@@ -182,7 +183,7 @@ COLORS = {"baseline": "tab:blue", "baseline_equal_flops": "tab:cyan", "midas": "
 
 
 def _save(fig, workdir: str, name: str) -> str:
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = figures.pyplot()
   fig.tight_layout()
   fs.makedirs(fs.join(workdir, FIGURES))
   fs.write_figure(fs.join(workdir, FIGURES, f"{name}.png"), fig, dpi=100)
@@ -191,10 +192,8 @@ def _save(fig, workdir: str, name: str) -> str:
 
 
 def plot_all(cells: Sequence[Dict[str, Any]], workdir: str) -> Dict[str, str]:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  figures = {}
+  plt = figures.pyplot()
+  paths = {}
   fig, ax = plt.subplots(figsize=(7.5, 4.5))
   labelled = set()
   for c in cells:
@@ -210,7 +209,7 @@ def plot_all(cells: Sequence[Dict[str, Any]], workdir: str) -> Dict[str, str]:
   ax.set_ylabel("held-out loss")
   ax.set_title("held-out loss against compute, one line per seed (dotted: the jump at each growth)", fontsize=9)
   ax.legend(fontsize=8)
-  figures["loss_vs_flops"] = _save(fig, workdir, "loss_vs_flops")
+  paths["loss_vs_flops"] = _save(fig, workdir, "loss_vs_flops")
   tasks = list(cells[0]["primitives"])
   fig, axes = plt.subplots(1, len(SCORES), figsize=(4.0 * len(SCORES), 3.8), squeeze=False)
   for ax, score in zip(axes[0], SCORES):
@@ -225,5 +224,5 @@ def plot_all(cells: Sequence[Dict[str, Any]], workdir: str) -> Dict[str, str]:
     ax.set_xlabel("final held-out loss")
     ax.set_title(f"{score} (mean over tasks)", fontsize=9)
   axes[0][0].legend(fontsize=7)
-  figures["scores_vs_loss"] = _save(fig, workdir, "scores_vs_loss")
-  return figures
+  paths["scores_vs_loss"] = _save(fig, workdir, "scores_vs_loss")
+  return paths

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 
 def multi_process() -> bool:
@@ -19,7 +20,6 @@ def from_process_0(value: int) -> int:
   """Process 0's `value` on every process."""
   if not multi_process():
     return int(value)
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   return int(multihost_utils.broadcast_one_to_all(np.array(value, np.int32)))
 
 
@@ -27,12 +27,10 @@ def all_true(flag: bool) -> bool:
   """Whether `flag` holds on every process."""
   if not multi_process():
     return bool(flag)
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   return bool(np.all(multihost_utils.process_allgather(np.array(bool(flag)))))
 
 
 def barrier(name: str) -> None:
   """Waits until every process has reached the barrier called `name`."""
   if multi_process():
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    multihost_utils.sync_global_devices(name)
+      multihost_utils.sync_global_devices(name)

@@ -1,10 +1,11 @@
 """The stage controller: which model (depth) trains at each step, and growing the state between stages.
 
-A stage is an Experiment at that stage's depth (its own model, shardings and jitted steps); all
-stages share the vocabulary and the step-addressed data pipeline. At a boundary the controller
-computes the operator's provenance map, builds the deeper experiment, and grows the TrainState with
-one jitted gather whose out_shardings are the new model's (grow.py). The layer lineage, which layer
-each current layer was born as, is a pure function of the operator and the stage, so a resumed run
+A stage is a StageBuild at that stage's depth (its own model, shardings and jitted steps); all
+stages share the vocabulary and the step-addressed data pipeline. The run's StageSchedule (computed
+once, with every growth's provenance map: stacking/checks.py) says when each growth happens and
+what it copies; at a boundary the controller builds the deeper stage and grows the TrainState with
+one jitted gather whose out_shardings are the new model's (stacking/grow.py). The layer lineage,
+which layer each current layer was born as, follows from the schedule's maps, so a resumed run
 recomputes it rather than storing it.
 
 Recompiling at every boundary would stall training once per stage. Instead, as soon as a stage
@@ -19,57 +20,59 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import jax
-import numpy as np
 
 from midas_jax import sharding
-from midas_jax.configs import RunConfig
-from midas_jax.stacking import checks, operators
+from midas_jax.configs import ModelConfig, RunConfig
+from midas_jax.data.factory import AnyPipeline
+from midas_jax.data.vocab import Vocabulary
 from midas_jax.stacking.grow import make_grower
-from midas_jax.stacking.schedule import (StageSchedule, cumulative_flops, flop_speedup,
-                                        layer_only_speedup_of, schedule_from_config)
-from midas_jax.train.experiment import Experiment, build_experiment, load_data
-from midas_jax.train.state import TrainState
+from midas_jax.stacking.schedule import StageSchedule, cumulative_flops, flop_speedup, layer_only_speedup_of
+from midas_jax.train.build import StageBuild, build_stage
+from midas_jax.train_state import TrainState
 
 
 @dataclasses.dataclass
 class Stage:
-  """One stage's experiment and its jitted steps."""
+  """One stage's build and its jitted steps."""
 
   index: int  # 1-indexed
-  experiment: Experiment
+  build: StageBuild
   train_step: Callable
   eval_step: Callable
 
   @property
   def depth(self) -> int:
-    return self.experiment.model_config.num_layers
+    return self.build.model_config.num_layers
 
 
-def _abstract_train_args(exp: Experiment) -> tuple:
+def _abstract_train_args(build: StageBuild) -> tuple:
   """Shapes and shardings of (state, global batch): enough to compile the train step."""
-  layout = exp.layout
+  layout = build.layout
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                        layout.abstract, layout.shardings)
-  rows = exp.config.data.batch_size
-  batch_sharding = sharding.batch_sharding(exp.mesh)
+  rows = build.config.data.batch_size
+  batch_sharding = sharding.batch_sharding(build.mesh)
   batch = {k: jax.ShapeDtypeStruct((rows,) + v.shape[1:], v.dtype, sharding=batch_sharding)
-           for k, v in exp.pipeline.batch(0, "train", 0, 1).items()}
+           for k, v in build.pipeline.batch(0, "train", 0, 1).items()}
   return state, batch
 
 
 class StageController:
-  """Owns the stage schedule of a run and moves a TrainState from one stage to the next."""
+  """Builds a run's stages on its schedule and moves a TrainState from one stage to the next.
 
-  def __init__(self, config: RunConfig, devices=None):
-    self.config = checks.validate(config)
+  schedule: the run's (stacking.checks.schedule_for(config)); data: its (vocabulary, pipeline).
+  """
+
+  def __init__(self, config: RunConfig, schedule: StageSchedule, data: Tuple[Vocabulary, AnyPipeline],
+               devices=None):
+    self.config = config
+    self.schedule = schedule
+    self.data = data
     self.devices = devices
-    self.schedule: StageSchedule = schedule_from_config(config.stacking, config.trainer.num_steps,
-                                                        config.model.num_layers)
-    self.data = load_data(config)
-    self.model_config = config.model.with_vocab(self.data[0].vocab_size)  # the final depth's
+    self.model_config: ModelConfig = config.model.with_vocab(data[0].vocab_size)  # the final depth's
     self.growths: List[Dict[str, Any]] = []
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="precompile")
     self._prepared: Dict[int, concurrent.futures.Future] = {}
@@ -79,16 +82,16 @@ class StageController:
     return self.schedule.block_size
 
   def _build(self, index: int, compile_ahead: bool) -> Stage:
-    depth = self.schedule.depths[index - 1]
-    exp = build_experiment(self.config, self.devices, data=self.data, num_layers=depth)
-    with exp.context():
-      train_step = exp.jit_train_step()
+    build = build_stage(self.config, self.devices, data=self.data, num_layers=self.schedule.depths[index - 1],
+                        growth_steps=self.schedule.boundaries, model_config=self.model_config)
+    with build.context():
+      train_step = build.jit_train_step()
       if compile_ahead:
-        train_step = train_step.lower(*_abstract_train_args(exp)).compile()
-      return Stage(index, exp, train_step, exp.jit_eval_step())
+        train_step = train_step.lower(*_abstract_train_args(build)).compile()
+      return Stage(index, build, train_step, build.jit_eval_step())
 
   def stage(self, index: int) -> Stage:
-    """The experiment of stage `index` (1-indexed) with its steps: compiled ahead if prepared."""
+    """Stage `index` (1-indexed) with its steps: compiled ahead if prepared, else when first called."""
     future = self._prepared.pop(index, None)
     if future is not None:
       return future.result()
@@ -102,34 +105,19 @@ class StageController:
   def close(self) -> None:
     self._pool.shutdown(wait=True, cancel_futures=True)
 
-  def stage_at(self, step: int) -> Stage:
-    """The stage of `step` (compiled when first called)."""
-    return self.stage(self.schedule.stage_at(step))
-
-  def provenance(self, depth: int) -> np.ndarray:
-    return operators.provenance_for(self.config.stacking.operator, depth, self.block_size)
-
-  def grow(self, state: TrainState, current: Stage, step: int) -> tuple:
+  def grow(self, state: TrainState, current: Stage, step: int) -> Tuple[TrainState, Stage]:
     """(grown state, next stage). Fresh layers (provenance -1) take the new model's initial values."""
     start = time.time()
-    prov = self.provenance(current.depth)
     nxt = self.stage(current.index + 1)
-    grower = make_grower(current.experiment.layout, nxt.experiment.layout, prov,
-                         self.config.stacking.new_moments)
-    fresh = nxt.experiment.init_state() if (prov < 0).any() else None
-    with nxt.experiment.context():
+    prov = self.schedule.provenance_into(nxt.index)
+    grower = make_grower(current.build.layout, nxt.build.layout, prov, self.config.stacking.new_moments)
+    fresh = nxt.build.init_state() if (prov < 0).any() else None
+    with nxt.build.context():
       state = grower(state, fresh)
     jax.block_until_ready(state.params)
     self.growths.append({"step": step, "stage": nxt.index, "from_depth": current.depth, "to_depth": nxt.depth,
                          "provenance": prov.tolist(), "seconds": round(time.time() - start, 3)})
     return state, nxt
-
-  def lineage(self, stage: int) -> List[operators.LayerRecord]:
-    """The birth record of every layer of `stage`, replayed from stage 1."""
-    records = operators.initial_lineage(self.schedule.depths[0])
-    for s in range(2, stage + 1):
-      records = operators.compose_lineage(records, self.provenance(self.schedule.depths[s - 2]), s)
-    return records
 
   def cumulative_flops(self, step: int) -> float:
     """Training FLOPs of steps [0, step): compare runs at equal compute with this."""
@@ -151,5 +139,5 @@ class StageController:
         "speedup": {"layer_only": layer_only_speedup_of(self.schedule),
                     "flops": flop_speedup(self.model_config, self.config.data.seq_len, self.schedule)},
         "growths": self.growths,
-        "layers": [dict(r.to_dict(), layer=i) for i, r in enumerate(self.lineage(stage))],
+        "layers": [dict(r.to_dict(), layer=i) for i, r in enumerate(self.schedule.lineage(stage))],
     }

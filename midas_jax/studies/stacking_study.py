@@ -30,10 +30,19 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import jax
 
 from midas_jax import fs
-from midas_jax.compare import full_depth
-from midas_jax.configs import CheckpointConfig, RunConfig
+from midas_jax.checkpoint import load_model
+from midas_jax.checkpoint.metadata import config_to_dict
+from midas_jax.configs import CheckpointConfig, RunConfig, StackingConfig
+from midas_jax.data.factory import load_data
+from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import require
+from midas_jax.evals import likelihood
+from midas_jax.stacking.checks import schedule_for
 from midas_jax.stacking.schedule import cumulative_flops, schedule_from_config
+from midas_jax.studies import stacking_study_page as page
+from midas_jax.train.build import build_stage
+from midas_jax.train.metrics import read_metrics
+from midas_jax.train.run import train
 
 ARMS = ("baseline", "baseline_equal_flops", "midas", "gradstack")
 STACKED = ("midas", "gradstack")
@@ -77,11 +86,12 @@ class StackingStudyConfig:
 
 
 def check_run_config(run: RunConfig) -> None:
-  """The study needs a stacked schedule whose boundaries the periodic eval hits (loss before growth)."""
+  """The study needs a stacked schedule whose boundaries the periodic eval hits (loss before growth).
+  Checked here, before any arm trains (MIDAS and GradStack grow on the same schedule)."""
   st, trainer = run.stacking, run.trainer
   require(st.num_stages > 1, "StackingConfig.num_stages", "is 1: the study compares stacked arms with a baseline",
           "set the stacked schedule (e.g. num_stages = 4, block_size = 2)")
-  schedule = schedule_from_config(dataclasses.replace(st, operator="midas"), trainer.num_steps, run.model.num_layers)
+  schedule = schedule_for(dataclasses.replace(run, stacking=dataclasses.replace(st, operator="midas")))
   missed = [b for b in schedule.boundaries if not trainer.eval_every or b % trainer.eval_every]
   require(not missed, "TrainerConfig.eval_every",
           f"{trainer.eval_every} does not divide the stage boundaries {missed} (stage steps {schedule.stage_steps}), "
@@ -96,7 +106,7 @@ def equal_flops_steps(run: RunConfig, vocab_size: int) -> int:
   data = run.data
   stacked = schedule_from_config(dataclasses.replace(run.stacking, operator="midas"), run.trainer.num_steps,
                                  model.num_layers)
-  full = schedule_from_config(full_depth(), run.trainer.num_steps, model.num_layers)
+  full = schedule_from_config(StackingConfig(), run.trainer.num_steps, model.num_layers)
   tokens = data.batch_size * data.seq_len
   ratio = (cumulative_flops(model, data.seq_len, tokens, stacked, stacked.num_steps)
            / cumulative_flops(model, data.seq_len, tokens, full, full.num_steps))
@@ -106,7 +116,7 @@ def equal_flops_steps(run: RunConfig, vocab_size: int) -> int:
 def arm_config(run: RunConfig, arm: str, seed: int, vocab_size: int) -> RunConfig:
   """The run config of one (arm, seed): checkpoints only at stage boundaries and the end, all kept."""
   trainer = dataclasses.replace(run.trainer, seed=seed)
-  stacking = full_depth()
+  stacking = StackingConfig()
   if arm == "baseline_equal_flops":
     trainer = dataclasses.replace(trainer, num_steps=equal_flops_steps(run, vocab_size))
   elif arm in STACKED:
@@ -118,16 +128,13 @@ def arm_config(run: RunConfig, arm: str, seed: int, vocab_size: int) -> RunConfi
 
 def held_out_loss(config: RunConfig, params, depth: int, data) -> float:
   """The held-out loss of `params` (a model of `depth` layers) on the batches the train loop evaluates."""
-  from midas_jax.train.experiment import build_experiment  # pylint: disable=import-outside-toplevel
-  from midas_jax.train.loop import evaluate  # pylint: disable=import-outside-toplevel
-  exp = build_experiment(config, data=data, num_layers=depth)
-  with exp.context():
-    params = jax.device_put(params, exp.layout.shardings.params)
-    return evaluate(exp, exp.jit_eval_step(), params)["loss"]
+  build = build_stage(config, data=data, num_layers=depth)
+  with build.context():
+    params = jax.device_put(params, build.layout.shardings.params)
+    return build.evaluate(build.jit_eval_step(), params)["loss"]
 
 
 def _growth_losses(config: RunConfig, workdir: str, growths: List[dict], evals: List[dict], data) -> List[dict]:
-  from midas_jax.checkpoint import load_model  # pylint: disable=import-outside-toplevel
   by_step = {r["step"]: r["loss"] for r in evals}
   out = []
   for g in growths:
@@ -144,8 +151,6 @@ def _growth_losses(config: RunConfig, workdir: str, growths: List[dict], evals: 
 def arm_run(run: RunConfig, arm: str, seed: int):
   """(the arm's run config, its (vocabulary, pipeline)): the data of the arm's own DataConfig.seed,
   whose held-out batches are the ones the train loop evaluates on."""
-  from midas_jax.data.vocab import make_vocabulary  # pylint: disable=import-outside-toplevel
-  from midas_jax.train.experiment import load_data  # pylint: disable=import-outside-toplevel
   config = arm_config(run, arm, seed, make_vocabulary(run.data).vocab_size)
   return config, load_data(config)
 
@@ -157,10 +162,6 @@ def train_cell(run: RunConfig, study: StackingStudyConfig, arm: str, seed: int, 
   `final_eval_loss_remeasured` is the final checkpoint's loss measured as the loss after each
   growth is (held_out_loss); it equals the loop's last eval when both read the same batches.
   """
-  from midas_jax.checkpoint import load_model  # pylint: disable=import-outside-toplevel
-  from midas_jax.evals import likelihood  # pylint: disable=import-outside-toplevel
-  from midas_jax.train.loop import train  # pylint: disable=import-outside-toplevel
-  from midas_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
   config, data = arm_run(run, arm, seed)
   start = time.time()
   result = train(config, workdir, operative_config=operative_config)
@@ -189,7 +190,6 @@ def _settings(run: RunConfig, study: StackingStudyConfig) -> Dict[str, Any]:
 
   In JSON form (tuples as lists), as cells.jsonl stores it, so that equal settings compare equal.
   """
-  from midas_jax.checkpoint.metadata import config_to_dict  # pylint: disable=import-outside-toplevel
   d = dataclasses.asdict(study)
   for grid in ("seeds", "arms"):
     d.pop(grid)
@@ -213,7 +213,6 @@ def _write_cells(path: str, cells: Dict[Tuple[str, int], Dict[str, Any]], settin
 def run_study(run: RunConfig, study: StackingStudyConfig, workdir: str, operative_config: str = "",
               log: Callable[[str], None] = print) -> Dict[str, Any]:
   """Trains and measures every missing cell, then writes study.json, study.md and the figures."""
-  from midas_jax.evals import stacking_study_page as page  # pylint: disable=import-outside-toplevel
   check_run_config(run)
   fs.makedirs(workdir)
   settings = _settings(run, study)

@@ -27,15 +27,16 @@ from jax.sharding import PartitionSpec as P
 
 from midas_jax import fs
 from midas_jax.configs import ModelConfig
-from midas_jax.evals import anchor
-from midas_jax.evals.anchor import AnchorStudyConfig
+from midas_jax.evals import figures
 from midas_jax.model import Decoder
+from midas_jax.optimizer import weight_decay_mask
 from midas_jax.sharding import mirror_param_specs
 from midas_jax.stacking import operators
 from midas_jax.stacking.grow import grow_state
 from midas_jax.stacking.schedule import prop_alpha_steps
-from midas_jax.train.optimizer import weight_decay_mask
-from midas_jax.train.state import TrainState
+from midas_jax.studies import anchor_task
+from midas_jax.studies.anchor_config import AnchorStudyConfig
+from midas_jax.train_state import TrainState
 
 EVAL_SEED = 12345  # every cell is scored on the same rows
 KINDS = ("inferential", "symmetric", "neither", "unfit")
@@ -43,8 +44,8 @@ FRACTIONS = ("inferential", "symmetric", "seen")
 
 
 def model_config(cfg: AnchorStudyConfig, gamma: float, depth: int) -> ModelConfig:
-  return ModelConfig(family=cfg.family, vocab_size=anchor.VOCAB_SIZE, d_model=cfg.d_model, num_layers=depth,
-                     num_heads=cfg.num_heads, d_ff=cfg.d_ff, max_seq_len=anchor.SEQ_LEN, init="gamma",
+  return ModelConfig(family=cfg.family, vocab_size=anchor_task.VOCAB_SIZE, d_model=cfg.d_model, num_layers=depth,
+                     num_heads=cfg.num_heads, d_ff=cfg.d_ff, max_seq_len=anchor_task.SEQ_LEN, init="gamma",
                      init_gamma=float(gamma), dtype="float32")
 
 
@@ -57,7 +58,7 @@ def decoder_batch(tokens: jax.Array) -> Dict[str, jax.Array]:
 
 def last_token_logits(model: Decoder, params, tokens: jax.Array) -> jax.Array:
   """Logits at the last position, [b, 100]: the task's one answer token."""
-  return model.apply({"params": params}, decoder_batch(tokens))[:, -1, :anchor.VOCAB_SIZE]
+  return model.apply({"params": params}, decoder_batch(tokens))[:, -1, :anchor_task.VOCAB_SIZE]
 
 
 def make_optimizer(cfg: AnchorStudyConfig) -> optax.GradientTransformation:
@@ -73,21 +74,21 @@ def make_optimizer(cfg: AnchorStudyConfig) -> optax.GradientTransformation:
 class EvalSets:
   """Test-split rows: the held-out pair, and the 15 training pairs (seen pairs, unseen keys/positions)."""
 
-  held_out: anchor.AnchorExamples
-  seen: anchor.AnchorExamples
+  held_out: anchor_task.AnchorExamples
+  seen: anchor_task.AnchorExamples
 
 
 def eval_sets(n: int, seed: int = EVAL_SEED) -> EvalSets:
   rng = np.random.default_rng(seed)
-  return EvalSets(held_out=anchor.make_examples(rng, n, "test", (anchor.HELD_OUT,)),
-                  seen=anchor.make_examples(rng, n * len(anchor.TRAIN_PAIRS), "test", anchor.TRAIN_PAIRS))
+  return EvalSets(held_out=anchor_task.make_examples(rng, n, "test", (anchor_task.HELD_OUT,)),
+                  seen=anchor_task.make_examples(rng, n * len(anchor_task.TRAIN_PAIRS), "test", anchor_task.TRAIN_PAIRS))
 
 
 def score(predictions_held_out: np.ndarray, predictions_seen: np.ndarray, sets: EvalSets) -> Dict[str, float]:
   """The three fractions of a cell from its argmax answers."""
   keys = sets.held_out.keys
-  return {"inferential": float(np.mean(predictions_held_out == anchor.composite(anchor.HELD_OUT, keys))),
-          "symmetric": float(np.mean(predictions_held_out == anchor.symmetric_answer(keys))),
+  return {"inferential": float(np.mean(predictions_held_out == anchor_task.composite(anchor_task.HELD_OUT, keys))),
+          "symmetric": float(np.mean(predictions_held_out == anchor_task.symmetric_answer(keys))),
           "seen": float(np.mean(predictions_seen == sets.seen.labels))}
 
 
@@ -112,7 +113,7 @@ def stage_plan(cfg: AnchorStudyConfig, arm: str, depth: int) -> List[Tuple[int, 
 
 def _logical_state(model: Decoder, tx: optax.GradientTransformation, params) -> TrainState:
   """The logical axis names of (params, optimizer state): where growth finds each `layers` axis."""
-  boxed = jax.eval_shape(model.init, jax.random.key(0), decoder_batch(jnp.zeros((1, anchor.SEQ_LEN), jnp.int32)))
+  boxed = jax.eval_shape(model.init, jax.random.key(0), decoder_batch(jnp.zeros((1, anchor_task.SEQ_LEN), jnp.int32)))
   specs = nn.get_partition_spec(boxed["params"])
   opt_shapes = jax.eval_shape(tx.init, params)
   return TrainState(step=P(), params=specs, opt_state=mirror_param_specs(opt_shapes, params, specs))
@@ -137,7 +138,7 @@ def train_cell(cfg: AnchorStudyConfig, gamma: float, depth: int, seed: int,
   start = time.time()
   sets = sets or eval_sets(cfg.eval_examples)
   rng = np.random.default_rng(seed)
-  train = anchor.make_examples(rng, cfg.train_examples, "train")
+  train = anchor_task.make_examples(rng, cfg.train_examples, "train")
   tokens, labels = jnp.asarray(train.tokens), jnp.asarray(train.labels)
   plan = stage_plan(cfg, arm, depth)
   model = Decoder(model_config(cfg, gamma, plan[0][0]))
@@ -294,9 +295,7 @@ def plot_phase_diagram(cfg: AnchorStudyConfig, grid: Sequence[dict], path: str) 
   """Three heatmaps over gamma x (arm, depth): inferential fraction, symmetric fraction, seen-pair
   accuracy (seed means). Cells whose seen-pair accuracy is below fit_threshold (the task was not
   fitted) are hatched."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = figures.pyplot()
   gammas, rows = list(cfg.gammas), rows_of(cfg)
   by = {(g["arm"], g["gamma"], g["depth"]): g for g in grid}
   panels = (("inferential", "held-out (4,3) answered key-10 (inferential)", "Greens"),

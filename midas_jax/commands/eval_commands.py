@@ -1,4 +1,4 @@
-"""`midas eval` and `midas report`, registered through cli.COMMAND_MODULES (nothing heavy imported here).
+"""`midas eval` and `midas report`.
 
   midas eval --workdir=DIR --suite=NAME|all [--k_shot=5 --num_examples=N --seed=S --loop_repeats=2,3
              --loop_block_size=B --finetune_examples=N --finetune_steps=S --tasks=copying,psm --step=S
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Dict, Tuple
+from typing import Tuple
 
 from midas_jax import fs
+from midas_jax.checkpoint import load_model
+from midas_jax.commands.common import CommandGroup, enable_compilation_cache, refuse_bindings
 from midas_jax.errors import ConfigError
+from midas_jax.evals import primitives, report, suites
 
 
 def _int_list(text: str) -> Tuple[int, ...]:
@@ -26,9 +29,8 @@ def _int_list(text: str) -> Tuple[int, ...]:
   return values
 
 
-def register(sub, bench_sub) -> Dict[str, object]:
-  del bench_sub
-  ev = sub.add_parser("eval", help="evaluate a checkpoint: JSON results and PNG figures under DIR/eval/")
+def register(root: CommandGroup) -> None:
+  ev = root.command("eval", _eval, help="evaluate a checkpoint: JSON results and PNG figures under DIR/eval/")
   ev.add_argument("--workdir", required=True, help="a run's workdir (latest checkpoint) or a params-only export")
   ev.add_argument("--suite", required=True,
                   help="primitives, primitive_scores, primitives_finetune, memorization, looping, similarity, "
@@ -48,10 +50,9 @@ def register(sub, bench_sub) -> Dict[str, object]:
   ev.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                   help="any other suite option, e.g. --opt=max_checkpoints=3 (VALUE read as JSON when it parses)")
   ev.add_argument("--out", default=None, help="output folder (default DIR/eval)")
-  rep = sub.add_parser("report", help="one Markdown page with figures from a run's metrics and evaluations")
+  rep = root.command("report", _report, help="one Markdown page with figures from a run's metrics and evaluations")
   rep.add_argument("--workdir", required=True, help="a run's workdir, or a `midas compare` folder")
   rep.add_argument("--out", default=None, help="the page to write (default DIR/report.md)")
-  return {"eval": _eval, "report": _report}
 
 
 def options_from_args(args) -> dict:
@@ -77,19 +78,14 @@ def options_from_args(args) -> dict:
 
 
 def _eval(args, bindings) -> int:
-  if bindings:
-    raise ConfigError("--gin.*", "midas eval reads the run's saved config and takes no gin bindings",
-                      "drop the --gin. flags; the eval flags are listed by `midas eval --help`")
-  from midas_jax.evals import suites  # pylint: disable=import-outside-toplevel
+  refuse_bindings(bindings, "midas eval reads the run's saved config and",
+                  "drop the --gin. flags; the eval flags are listed by `midas eval --help`")
   names = suites.resolve(args.suite)
   options = options_from_args(args)
   if options.get("tasks"):
-    from midas_jax.evals import primitives  # pylint: disable=import-outside-toplevel
     primitives.task_names(options)
   if not fs.exists(fs.check(args.workdir, "--workdir")):
     raise ConfigError("--workdir", f"{args.workdir} does not exist", "pass a run's workdir or a params-only export")
-  from midas_jax.checkpoint import load_model  # pylint: disable=import-outside-toplevel
-  from midas_jax.cli import enable_compilation_cache  # pylint: disable=import-outside-toplevel
   enable_compilation_cache()  # a second eval of the same model reuses the decoding programs
   model = load_model(args.workdir, options.get("step"))
   out_dir = args.out or fs.join(args.workdir, "eval")
@@ -118,7 +114,6 @@ def _summary(record: dict) -> dict:
 
 def _report(args, bindings) -> int:
   del bindings
-  from midas_jax.evals import report  # pylint: disable=import-outside-toplevel
   path = report.write_report(args.workdir, args.out)
   print(path)
   return 0

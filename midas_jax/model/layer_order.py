@@ -54,6 +54,12 @@ def order_for(cfg) -> Optional[np.ndarray]:
   return loop_order(cfg.num_layers, cfg.loop_start, cfg.loop_size, cfg.loop_repeats)
 
 
+def execution_order(cfg) -> np.ndarray:
+  """Every layer index in the order the layers run: a looped model repeats its block."""
+  order = order_for(cfg)
+  return np.arange(cfg.num_layers, dtype=np.int32) if order is None else order
+
+
 def loop_middle_block(cfg, block_size: int, repeats: int):
   """The ModelConfig that applies a grown model's middle block (the one MIDAS copies) `repeats` times.
 

@@ -1,0 +1,142 @@
+"""`midas bench ...`: every benchmark (docs/benchmarks.md has one section each).
+
+  midas bench train --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]
+  midas bench stacking --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
+  midas bench checkpoint --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
+  midas bench preemption --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]   (on N processes: launch/local.py)
+  midas bench data --gin_file=F [--gin.KEY=VALUE ...] [--seconds=S] [--train_tokens_per_second=X]
+  midas bench compile --gin_file=F [--gin_file=MESH] [--topology=v5p-128|2xv5p-128] [--method=auto] [--json=OUT]
+  midas bench compile-table --after=REPORT.json ... [--before=REPORT.json ...]
+"""
+
+from __future__ import annotations
+
+import jax
+
+from midas_jax import distributed, fs
+from midas_jax.bench import (checkpoint_bench, compile_bench, compile_table, data_bench, preemption_bench,
+                             stacking_bench, train_bench)
+from midas_jax.commands.common import CommandGroup, add_gin_flags, bench_group, load_run_config
+
+
+def _json_flag(parser) -> None:
+  parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+def register(root: CommandGroup) -> None:
+  bench = bench_group(root)
+  p = bench.command("train", _train, help="steady-state tokens/s and MFU against the matmul peak")
+  add_gin_flags(p)
+  p.add_argument("--steps", type=int, default=10, help="timed steps (after warmup)")
+  p.add_argument("--warmup", type=int, default=2, help="untimed steps, compile included")
+  p.add_argument("--peak_size", type=int, default=2048, help="matmul size of the peak probe")
+  _json_flag(p)
+
+  p = bench.command("stacking", _stacking, help="measured vs theoretical speedup of MIDAS Prop-1, k=4")
+  add_gin_flags(p)
+  p.add_argument("--workdir", required=True, help="where the two runs write their outputs")
+  _json_flag(p)
+
+  p = bench.command("checkpoint", _checkpoint, help="save time, size, and how much an async save stalls training")
+  add_gin_flags(p)
+  p.add_argument("--workdir", required=True, help="where the benchmark's checkpoints are written")
+  _json_flag(p)
+
+  p = bench.command("preemption", _preemption, help="what the per-step preemption check costs a train step (run "
+                    "it on several processes with launch/local.py)")
+  add_gin_flags(p)
+  p.add_argument("--steps", type=int, default=20, help="train steps per timed block")
+  p.add_argument("--repeats", type=int, default=5, help="timed blocks per variant")
+  _json_flag(p)
+  distributed.add_flags(p)
+
+  p = bench.command("data", _data, help="input pipeline tokens/s on one core vs t5/TF and training; peak memory "
+                    "on a prepared store")
+  add_gin_flags(p)
+  p.add_argument("--seconds", type=float, default=5.0, help="timed seconds per measurement")
+  p.add_argument("--train_tokens_per_second", type=float, default=None,
+                 help="training consumption to compare with, instead of timing train steps")
+  p.add_argument("--consumption", default=None,
+                 help="compare with one host's consumption on a TPU slice (e.g. v5p-128) at --mfu, computed from the "
+                      "config, instead of timing train steps")
+  p.add_argument("--mfu", type=float, default=0.4, help="the MFU --consumption assumes")
+  p.add_argument("--train_steps", type=int, default=5, help="timed train steps (after 2 warmup)")
+  p.add_argument("--synthetic_documents", type=int, default=None,
+                 help="bench a synthetic prepared store of this many documents (written first, in a child process, "
+                      "so the peak memory is the reader's)")
+  p.add_argument("--synthetic_dir", default=None, help="where the synthetic store goes (default: a temp folder)")
+  p.add_argument("--synthetic_mean_length", type=float, default=64.0,
+                 help="mean document length of the synthetic store, in tokens (C4 with T5's model: about 430)")
+  _json_flag(p)
+
+  p = bench.command("compile", _compile, help="will it fit: per-device memory of the train step, compiled ahead of "
+                    "time (or estimated) for a mesh and topology")
+  add_gin_flags(p)
+  p.add_argument("--topology", default=None,
+                 help="target: a TPU slice as gcloud names it (v4-64, v5litepod-64, v5p-128), several slices joined "
+                      "by DCN (2xv5p-128, with a mesh that sets MeshConfig.dcn_data) or gpu-N; default: this "
+                      "machine's devices (set XLA_FLAGS=--xla_force_host_platform_device_count=N to simulate N)")
+  p.add_argument("--method", default="auto", choices=("auto", "compile", "analytic"),
+                 help="auto: compile where jax can describe the target, else estimate analytically")
+  p.add_argument("--hbm_gib", type=float, default=None, help="memory per device to check against")
+  _json_flag(p)
+
+  p = bench.command("compile-table", _compile_table, help="the markdown table of docs/pods.md from `bench compile "
+                    "--json` reports, before and after a change")
+  p.add_argument("--after", action="append", default=[], required=True, help="a report; repeatable")
+  p.add_argument("--before", action="append", default=[], help="a report to compare with; repeatable")
+
+
+def _report(args, report, text: str) -> int:
+  print(text)
+  if args.json:
+    fs.write_json(fs.check(args.json, "--json"), report)
+  return 0
+
+
+def _train(args, bindings) -> int:
+  config, _ = load_run_config(args.gin_file, bindings)
+  report = train_bench.run(config, steps=args.steps, warmup=args.warmup, peak_size=args.peak_size)
+  return _report(args, report, train_bench.format_report(report))
+
+
+def _stacking(args, bindings) -> int:
+  config, _ = load_run_config(args.gin_file, bindings)
+  report = stacking_bench.run(config, args.workdir)
+  return _report(args, report, stacking_bench.format_report(report))
+
+
+def _checkpoint(args, bindings) -> int:
+  config, _ = load_run_config(args.gin_file, bindings)
+  report = checkpoint_bench.run(config, args.workdir)
+  return _report(args, report, checkpoint_bench.format_report(report))
+
+
+def _preemption(args, bindings) -> int:
+  distributed.initialize(args)  # before anything asks jax for its devices
+  config, _ = load_run_config(args.gin_file, bindings)
+  report = preemption_bench.run(config, steps=args.steps, repeats=args.repeats)
+  if jax.process_index() != 0:
+    return 0
+  return _report(args, report, preemption_bench.format_report(report))
+
+
+def _data(args, bindings) -> int:
+  config, _ = load_run_config(args.gin_file, bindings)
+  report = data_bench.run(config, seconds=args.seconds, train_tokens_per_second=args.train_tokens_per_second,
+                          train_steps=args.train_steps, consumption=args.consumption, mfu=args.mfu,
+                          synthetic_documents=args.synthetic_documents, synthetic_dir=args.synthetic_dir,
+                          synthetic_mean_length=args.synthetic_mean_length)
+  return _report(args, report, data_bench.format_report(report))
+
+
+def _compile(args, bindings) -> int:
+  config, _ = load_run_config(args.gin_file, bindings)
+  report = compile_bench.run(config, topology=args.topology, method=args.method, hbm_gib=args.hbm_gib)
+  return _report(args, report, compile_bench.format_report(report))
+
+
+def _compile_table(args, bindings) -> int:
+  del bindings
+  print(compile_table.table(compile_table.load_reports(args.after), compile_table.load_reports(args.before)))
+  return 0

@@ -1,0 +1,106 @@
+"""What every `midas` command shares: how it registers, its gin flags, and loading its configs.
+
+Each commands module has `register(root: CommandGroup)`, which adds its parsers with a handler each;
+cli.py builds the parser from those modules and calls the chosen handler as handler(args, bindings),
+`bindings` being the `--gin.KEY=VALUE` flags. A handler returns the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import jax
+
+from midas_jax import gin_config
+from midas_jax.configs import RunConfig
+from midas_jax.errors import ConfigError
+
+Handler = Callable[[argparse.Namespace, List[str]], int]
+
+
+class CommandGroup:
+  """Commands at one level of `midas`: the top level, or a group such as `midas bench ...`."""
+
+  def __init__(self, subparsers):
+    self._subparsers = subparsers
+    self._groups: Dict[str, "CommandGroup"] = {}
+
+  def command(self, name: str, handler: Handler, help: str, **kwargs) -> argparse.ArgumentParser:  # noqa: A002
+    """Adds `name`, run by `handler`; returns its parser for the command's flags."""
+    parser = self._subparsers.add_parser(name, help=help, **kwargs)
+    parser.set_defaults(handler=handler)
+    return parser
+
+  def group(self, name: str, help: str) -> "CommandGroup":  # noqa: A002
+    """The commands under `name` (created by the first module that asks, shared by the rest)."""
+    if name not in self._groups:
+      parser = self._subparsers.add_parser(name, help=help)
+      self._groups[name] = CommandGroup(parser.add_subparsers(dest=f"{name}_command", required=True,
+                                                              metavar="COMMAND"))
+    return self._groups[name]
+
+
+def bench_group(root: CommandGroup) -> CommandGroup:
+  """`midas bench NAME`: every benchmark registers here, whichever module defines it."""
+  return root.group("bench", help="benchmarks: throughput, MFU, the data pipeline, compile fit, ...")
+
+
+def split_gin_bindings(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+  """Separates t5x-style `--gin.KEY=VALUE` flags from the rest of argv."""
+  bindings, rest = [], []
+  for arg in argv:
+    if arg.startswith("--gin."):
+      key, sep, value = arg[len("--gin."):].partition("=")
+      if not sep or not key:
+        raise ConfigError(arg, "a gin binding needs a value", "write --gin.Class.setting=VALUE")
+      bindings.append(f"{key}={value}")
+    else:
+      rest.append(arg)
+  return bindings, rest
+
+
+def add_gin_flags(parser: argparse.ArgumentParser, what: str = "gin config file") -> None:
+  parser.add_argument("--gin_file", action="append", default=[],
+                      help=f"{what}; repeatable, later files override earlier ones")
+
+
+def parse_gin(gin_files: Sequence[str], bindings: Sequence[str],
+              example: str = "gin/experiments/cpu_demo.gin") -> None:
+  if not gin_files:
+    raise ConfigError("--gin_file", "no gin file given", f"pass e.g. --gin_file={example}")
+  gin_config.parse(gin_files, bindings)
+
+
+def load_run_config(gin_files: Sequence[str], bindings: Sequence[str]) -> Tuple[RunConfig, str]:
+  """(the RunConfig the gin files and bindings describe, the operative gin config)."""
+  parse_gin(gin_files, bindings)
+  return gin_config.run_config_from_gin(), gin_config.operative_config()
+
+
+def refuse_bindings(bindings: Sequence[str], command: str, fix: str) -> None:
+  if bindings:
+    raise ConfigError("--gin.*", f"{command} takes no gin bindings", fix)
+
+
+def enable_compilation_cache() -> None:
+  """Persistent XLA compilation cache, so a re-run (or a resumed run) reuses its compiles.
+
+  MIDAS_JAX_CACHE_DIR picks the folder; set it to "off" to disable.
+  """
+  path = os.environ.get("MIDAS_JAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "midas_jax", "xla"))
+  if path == "off":
+    return
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def profile_binding(text: Optional[str]) -> List[str]:
+  """`--profile=START:STOP` as the gin binding it stands for (checked by TrainerConfig)."""
+  if text is None:
+    return []
+  start, sep, stop = text.partition(":")
+  if not (sep and start.strip().isdigit() and stop.strip().isdigit()):
+    raise ConfigError("--profile", f"{text!r} is not START:STOP", "pass e.g. --profile=5:8 to trace steps 6 to 8")
+  return [f"TrainerConfig.profile_steps=({int(start)}, {int(stop)})"]

@@ -1,0 +1,94 @@
+"""`midas study anchor` and `midas study stacking`: the small-initialization and the stacking studies.
+
+  midas study anchor --gin_file=gin/experiments/anchor_gamma_cpu.gin [--gin.AnchorStudyConfig.K=V ...] --workdir=DIR
+  midas study stacking --gin_file=gin/experiments/study_stacking_cpu.gin [--gin.K=V ...] --workdir=DIR
+
+anchor writes DIR/cells.jsonl (one line per trained cell; a re-run resumes), DIR/anchor_study.json,
+DIR/phase_diagram.png and DIR/operative_config.gin, and prints the grid. stacking writes one run
+per (arm, seed) under DIR/<arm>/seed<seed>/, DIR/cells.jsonl (a re-run resumes), DIR/study.json,
+DIR/study.md with its figures under DIR/study/, and prints the page's tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import time
+from typing import Sequence, Tuple
+
+from midas_jax import fs, gin_config
+from midas_jax.commands.common import CommandGroup, add_gin_flags, enable_compilation_cache, parse_gin
+from midas_jax.configs import RunConfig
+from midas_jax.errors import ConfigError
+from midas_jax.studies import anchor_study, stacking_study, stacking_study_page
+from midas_jax.studies.anchor_config import AnchorStudyConfig
+from midas_jax.studies.stacking_study import StackingStudyConfig
+from midas_jax.train.workdir import prepare_workdir
+
+gin_config.register(AnchorStudyConfig, StackingStudyConfig)
+
+
+def register(root: CommandGroup) -> None:
+  study = root.group("study", help="studies: the anchor-function phase diagram, the multi-seed stacking study")
+  anchor = study.command("anchor", _anchor, help="train the gamma x depth (x arm) grid of the anchor-function task")
+  add_gin_flags(anchor, "gin file binding AnchorStudyConfig")
+  anchor.add_argument("--workdir", required=True, help="output: cells.jsonl, anchor_study.json, phase_diagram.png")
+  stacking = study.command("stacking", _stacking, help="baseline, equal-FLOPs baseline, MIDAS and GradStack over seeds")
+  add_gin_flags(stacking, "gin file binding the run config and StackingStudyConfig")
+  stacking.add_argument("--workdir", required=True, help="output: one run per arm and seed, study.json, study.md")
+
+
+def _parse(gin_files: Sequence[str], bindings: Sequence[str], config_class: type, example: str) -> None:
+  """Parses the gin files and bindings; an unknown setting of `config_class` names its valid settings."""
+  name = config_class.__name__
+  settings = [f.name for f in dataclasses.fields(config_class)]
+  try:
+    parse_gin(gin_files, bindings, example)
+  except ConfigError as e:
+    if e.setting.startswith(f"{name}."):
+      close = difflib.get_close_matches(e.setting.split(".")[-1], settings, n=2)
+      hint = f"did you mean {', '.join(close)}? " if close else ""
+      raise ConfigError(e.setting, e.problem, f"{hint}valid settings: {', '.join(settings)}") from None
+    raise
+
+
+def study_config_from_gin(gin_files: Sequence[str], bindings: Sequence[str]) -> Tuple[AnchorStudyConfig, str]:
+  """The AnchorStudyConfig the gin files and bindings describe, and the operative gin config."""
+  _parse(gin_files, bindings, AnchorStudyConfig, "gin/experiments/anchor_gamma_cpu.gin")
+  return gin_config.build(AnchorStudyConfig), gin_config.operative_config()
+
+
+def stacking_study_from_gin(gin_files: Sequence[str],
+                            bindings: Sequence[str]) -> Tuple[RunConfig, StackingStudyConfig, str]:
+  """(RunConfig, StackingStudyConfig, operative gin config) from the gin files and bindings."""
+  _parse(gin_files, bindings, StackingStudyConfig, "gin/experiments/study_stacking_cpu.gin")
+  study = gin_config.build(StackingStudyConfig)
+  run = gin_config.run_config_from_gin()
+  stacking_study.check_run_config(run)
+  return run, study, gin_config.operative_config()
+
+
+def _anchor(args, bindings) -> int:
+  config, operative = study_config_from_gin(args.gin_file, bindings)
+  workdir = prepare_workdir(args.workdir)
+  enable_compilation_cache()
+  fs.write_text(fs.join(workdir, "operative_config.gin"), operative)
+  print(f"anchor study: {config.num_cells} cells ({len(config.arms)} arms x {len(config.gammas)} gammas x "
+        f"{len(config.depths)} depths x {len(config.seeds)} seeds) into {workdir}", flush=True)
+  result = anchor_study.run_study(config, workdir, log=lambda line: print(line, flush=True))
+  print(anchor_study.format_grid(config, result["grid"]))
+  print(f"phase diagram: {result['phase_diagram']}")
+  return 0
+
+
+def _stacking(args, bindings) -> int:
+  run, study, operative = stacking_study_from_gin(args.gin_file, bindings)
+  workdir = prepare_workdir(args.workdir)
+  enable_compilation_cache()
+  fs.write_text(fs.join(workdir, "operative_config.gin"), operative)
+  print(f"stacking study: {len(study.arms)} arms x {len(study.seeds)} seeds into {workdir}", flush=True)
+  start = time.time()
+  result = stacking_study.run_study(run, study, workdir, operative, log=lambda line: print(line, flush=True))
+  print(stacking_study_page.printable(result, run))
+  print(f"page: {fs.join(workdir, 'study.md')} ({time.time() - start:.0f} s)")
+  return 0

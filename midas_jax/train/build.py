@@ -1,0 +1,140 @@
+"""One stage's build: its model, optimizer, mesh and state layout, checked before anything compiles.
+
+A stacked run has one StageBuild per depth (train/stages.py builds them); every other program that
+trains a model at one depth (the benchmarks, the studies' measurements) builds one too. All of a
+run's builds share the vocabulary and the step-addressed data pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from midas_jax import optimizer as optimizer_lib
+from midas_jax import sharding
+from midas_jax.configs import ModelConfig, RunConfig
+from midas_jax.data.factory import AnyPipeline, load_data
+from midas_jax.data.vocab import Vocabulary
+from midas_jax.model import Decoder
+from midas_jax.train import step as step_lib
+from midas_jax.train_state import StateLayout, TrainState, create_train_state, state_layout
+
+
+@dataclasses.dataclass
+class StageBuild:
+  """Everything one stage trains with. model_config: config.model with the vocabulary's size and
+  this stage's depth, as the user wrote it otherwise (the Decoder resolves attention='auto')."""
+
+  config: RunConfig
+  model_config: ModelConfig
+  vocab: Optional[Vocabulary]
+  pipeline: Optional[AnyPipeline]
+  mesh: Mesh
+  rules: Tuple[Tuple[str, Any], ...]
+  model: Decoder
+  tx: optax.GradientTransformation
+  lr_schedule: optax.Schedule
+  layout: StateLayout
+
+  @contextlib.contextmanager
+  def context(self):
+    """Mesh and logical-axis rules for tracing: activation sharding constraints resolve here."""
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(list(self.rules)):
+      yield
+
+  def init_state(self) -> TrainState:
+    with self.context():
+      return create_train_state(self.model, self.tx, self.layout,
+                                jax.random.key(self.config.trainer.seed), self.config.data.seq_len)
+
+  def init_state_from_params(self, params) -> TrainState:
+    """Step 0 with the given parameters (e.g. an imported model) and fresh optimizer state."""
+    def init(p):
+      return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=self.tx.init(p))
+    with self.context():
+      return jax.jit(init, out_shardings=self.layout.shardings)(params)
+
+  def jit_train_step(self):
+    trainer = self.config.trainer
+    step = step_lib.make_train_step(self.model, self.tx, self.lr_schedule, self.config.optimizer.z_loss,
+                                    microbatches=trainer.microbatches, loss_chunk=trainer.loss_chunk,
+                                    grad_shardings=self.layout.shardings.params)
+    return jax.jit(step, in_shardings=(self.layout.shardings, sharding.batch_sharding(self.mesh)),
+                   out_shardings=(self.layout.shardings, sharding.replicated(self.mesh)),
+                   donate_argnums=0)
+
+  def jit_eval_step(self):
+    return jax.jit(step_lib.make_eval_step(self.model, self.config.trainer.loss_chunk),
+                   in_shardings=(self.layout.shardings.params, sharding.batch_sharding(self.mesh)),
+                   out_shardings=sharding.replicated(self.mesh))
+
+  def host_batch(self, step: int, split: str = "train") -> Dict[str, np.ndarray]:
+    """This process's rows of the global batch at `step`."""
+    return self.pipeline.batch(step, split, jax.process_index(), jax.process_count())
+
+  def device_batch(self, step: int, split: str = "train") -> Dict[str, jax.Array]:
+    return sharding.shard_batch(self.host_batch(step, split), self.mesh)
+
+  def evaluate(self, eval_step, params) -> Dict[str, float]:
+    """Loss on the first `eval_batches` batches of the held-out split (the same batches every time)."""
+    totals = None
+    for i in range(self.config.trainer.eval_batches):
+      aux = jax.device_get(eval_step(params, self.device_batch(i, "validation")))
+      totals = aux if totals is None else jax.tree.map(np.add, totals, aux)
+    out = {"loss": float(totals["objective_loss_sum"].sum() / max(totals["tokens"], 1e-9))}
+    out.update(step_lib.per_objective_losses(totals["objective_loss_sum"], totals["objective_weight_sum"]))
+    return out
+
+
+def learning_rate(config: RunConfig, growth_steps: Sequence[int] = ()) -> optax.Schedule:
+  """The global schedule, re-warmed after each growth step when StackingConfig.lr_schedule = "rewarm"."""
+  schedule = optimizer_lib.learning_rate_schedule(config.optimizer, config.trainer.num_steps)
+  if config.stacking.lr_schedule != "rewarm":
+    return schedule
+  rewarm = config.stacking.resolved_rewarm_steps(config.optimizer.warmup_steps)
+  return optimizer_lib.with_rewarm(schedule, growth_steps, rewarm)
+
+
+def model_and_layout(config: RunConfig, mesh: Mesh, model_config: ModelConfig, platform: Optional[str] = None,
+                     growth_steps: Sequence[int] = ()) -> tuple:
+  """(model, optimizer, lr schedule, axis rules, state layout) on `mesh`, checked and allocating nothing.
+
+  platform: where the step will run, for ModelConfig.attention = 'auto' (model.Decoder resolves
+  it); None takes the mesh's devices' platform (an abstract mesh has none: then jax's default
+  backend). growth_steps: the run's stage boundaries, where a "rewarm" learning rate warms up again.
+  """
+  sharding.check_divisibility(model_config, mesh, config.data.batch_size, config.trainer.microbatches)
+  if platform is None and isinstance(mesh, Mesh):
+    platform = mesh.devices.flat[0].platform
+  model = Decoder(model_config, platform=platform)
+  schedule = learning_rate(config, growth_steps)
+  tx = optimizer_lib.make_optimizer(config.optimizer, config.trainer.num_steps, schedule)
+  rules = config.mesh.rules_as_tuples()
+  return model, tx, schedule, rules, state_layout(model, tx, mesh, rules, config.data.seq_len)
+
+
+def build_stage(config: RunConfig, devices=None, data: Optional[Tuple[Vocabulary, AnyPipeline]] = None,
+                num_layers: Optional[int] = None, growth_steps: Sequence[int] = (),
+                model_config: Optional[ModelConfig] = None) -> StageBuild:
+  """Reads the data, checks every shape against the mesh, and lays out the state, compiling nothing.
+
+  data: (vocab, pipeline) to reuse instead of loading them again; num_layers: the depth of this
+  stage's model when it differs from the final depth; growth_steps: as in model_and_layout;
+  model_config: config.model with the vocabulary filled in, when the caller has it already.
+  """
+  mesh = sharding.make_mesh(config.mesh, devices)
+  vocab, pipeline = data or load_data(config)
+  model_config = model_config or config.model.with_vocab(vocab.vocab_size)
+  if num_layers is not None:
+    model_config = dataclasses.replace(model_config, num_layers=num_layers)
+  model, tx, schedule, rules, layout = model_and_layout(config, mesh, model_config, growth_steps=growth_steps)
+  return StageBuild(config=config, model_config=model_config, vocab=vocab, pipeline=pipeline, mesh=mesh,
+                    rules=rules, model=model, tx=tx, lr_schedule=schedule, layout=layout)
