@@ -38,7 +38,7 @@ class ModelConfig:
   dtype: the compute dtype; param_dtype: the dtype parameters are stored (and updated) in.
   loop_start, loop_size, loop_repeats: a looped model: layers [loop_start, loop_start + loop_size)
     share their weights across loop_repeats consecutive applications (1: no looping). Set in training
-    for a looped model, or at evaluation to loop a grown model's middle block (model/looping.py).
+    for a looped model, or at evaluation to loop a grown model's middle block (model/layer_order.py).
   qkv_bias: llama family only: biases on the query, key and value projections (Qwen2's layout).
   attention: "dot_product" (XLA, with a dense [batch, 1, T, T] mask), "flash" (the fused Pallas
     kernels of model/kernels/: nothing of size T x T stored, fully masked blocks skipped) or "auto"
@@ -253,8 +253,43 @@ VOCABS = ("byte", "sentencepiece", "tokenizers")
 
 
 @dataclasses.dataclass(frozen=True)
+class ObjectivesConfig:
+  """The UL2 mixture: which objective each example trains (gin/objectives/ holds the mixtures).
+
+  Each example is causal LM, prefix LM or span corruption with probabilities causal_rate,
+  prefix_rate, span_rate (summing to 1; the MIDAS paper's 0.6 / 0.2 / 0.2). A span example draws one
+  (mean span length, noise density) pair from span_denoisers uniformly: the default is T5's
+  R-denoiser (3.0, 0.15); gin/objectives/ul2_full.gin sets UL2's R and X set. mode_tokens prepends
+  [NLU] (R), [NLG] (X) or [S2S] (prefix LM) to the inputs, as UL2 does. Span corruption marks its
+  spans with up to num_sentinels sentinels. Sentinels and mode tokens are the top extra ids of the
+  vocabulary (see data/objectives.py).
+  """
+
+  causal_rate: float = 0.6
+  prefix_rate: float = 0.2
+  span_rate: float = 0.2
+  span_denoisers: Tuple[Tuple[float, float], ...] = ((3.0, 0.15),)
+  mode_tokens: bool = False
+  num_sentinels: int = 100
+
+  def __post_init__(self):
+    s = "ObjectivesConfig."
+    rates = (self.causal_rate, self.prefix_rate, self.span_rate)
+    require(all(r >= 0 for r in rates) and abs(sum(rates) - 1.0) < 1e-6, s + "causal_rate",
+            f"objective rates causal={rates[0]}, prefix={rates[1]}, span={rates[2]} must be >= 0 and sum to 1",
+            "set ObjectivesConfig.causal_rate, prefix_rate and span_rate to add up to 1 (default 0.6 / 0.2 / 0.2)")
+    require(self.span_rate == 0 or len(self.span_denoisers) > 0, s + "span_denoisers",
+            "span_rate > 0 but no span denoisers", "list (mean span length, noise density) pairs")
+    for pair in self.span_denoisers:
+      require(len(pair) == 2 and pair[0] >= 1 and 0 < pair[1] < 1, s + "span_denoisers",
+              f"{pair!r} is not a (mean span length >= 1, 0 < noise density < 1) pair",
+              "write e.g. [(3.0, 0.15), (8.0, 0.5)]")
+    require(self.num_sentinels >= 1, s + "num_sentinels", "must be >= 1", "T5 uses 100")
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Where tokens come from, which objectives are made of them, and how they are batched.
+  """Where tokens come from, and how they are batched (ObjectivesConfig: what examples are made of them).
 
   source "builtin": the generated corpus (nothing downloaded); "text": local .txt/.jsonl/.gz files
   (train_files, eval_files: glob patterns); "seqio": a registered seqio Task (seqio_task), read
@@ -269,13 +304,7 @@ class DataConfig:
   tfds_train_split / tfds_eval_split, the text in feature tfds_text_feature). A run on a store checks
   that the store was prepared with its vocabulary, and from these settings when prepared_from is set.
   read_threads: parallel ranged reads of a store on gs:// (local stores are read in line).
-
-  The UL2 mixture: each example is causal LM, prefix LM or span corruption with probabilities
-  causal_rate, prefix_rate, span_rate (summing to 1; the MIDAS paper's 0.6 / 0.2 / 0.2). A span
-  example draws one (mean span length, noise density) pair from span_denoisers uniformly: the
-  default is T5's R-denoiser (3.0, 0.15); gin/objectives/ul2_full.gin sets UL2's R and X set.
-  mode_tokens prepends [NLU] (R), [NLG] (X) or [S2S] (prefix LM) to the inputs, as UL2 does.
-  Sentinels and mode tokens are the top extra ids of the vocabulary (see data/objectives.py).
+  min_chunk: a row is filled example by example until fewer than min_chunk of its slots remain.
 
   vocab: "byte", "sentencepiece" (spm_model: a .model file of any special-id layout) or "tokenizers"
   (tokenizer: a tokenizer.json, or a directory holding one with its tokenizer_config.json). A
@@ -297,12 +326,6 @@ class DataConfig:
   batch_size: int = 16
   seed: int = 0
   min_chunk: int = 16
-  causal_rate: float = 0.6
-  prefix_rate: float = 0.2
-  span_rate: float = 0.2
-  span_denoisers: Tuple[Tuple[float, float], ...] = ((3.0, 0.15),)
-  mode_tokens: bool = False
-  num_sentinels: int = 100
   seqio_task: Optional[str] = None
   seqio_train_split: str = "train"
   seqio_eval_split: str = "validation"
@@ -319,17 +342,6 @@ class DataConfig:
 
   def __post_init__(self):
     s = "DataConfig."
-    rates = (self.causal_rate, self.prefix_rate, self.span_rate)
-    require(all(r >= 0 for r in rates) and abs(sum(rates) - 1.0) < 1e-6, s + "causal_rate",
-            f"objective rates causal={rates[0]}, prefix={rates[1]}, span={rates[2]} must be >= 0 and sum to 1",
-            "set DataConfig.causal_rate, prefix_rate and span_rate to add up to 1 (default 0.6 / 0.2 / 0.2)")
-    require(self.span_rate == 0 or len(self.span_denoisers) > 0, s + "span_denoisers",
-            "span_rate > 0 but no span denoisers", "list (mean span length, noise density) pairs")
-    for pair in self.span_denoisers:
-      require(len(pair) == 2 and pair[0] >= 1 and 0 < pair[1] < 1, s + "span_denoisers",
-              f"{pair!r} is not a (mean span length >= 1, 0 < noise density < 1) pair",
-              "write e.g. [(3.0, 0.15), (8.0, 0.5)]")
-    require(self.num_sentinels >= 1, s + "num_sentinels", "must be >= 1", "T5 uses 100")
     require(self.source != "seqio" or bool(self.seqio_task), s + "seqio_task",
             "source='seqio' needs a task name", "set DataConfig.seqio_task to a registered seqio Task")
     require(self.max_documents > 0, s + "max_documents", "must be > 0", "the default is 100000")
@@ -538,6 +550,7 @@ class RunConfig:
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  objectives: ObjectivesConfig = dataclasses.field(default_factory=ObjectivesConfig)
   trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
   stacking: StackingConfig = dataclasses.field(default_factory=StackingConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -551,5 +564,11 @@ class RunConfig:
             "choose microbatches that divide DataConfig.batch_size")
 
 
-CONFIG_CLASSES: Sequence[type] = (ModelConfig, MeshConfig, OptimizerConfig, DataConfig, TrainerConfig,
-                                  StackingConfig, CheckpointConfig)
+CONFIG_CLASSES: Sequence[type] = (ModelConfig, MeshConfig, OptimizerConfig, DataConfig, ObjectivesConfig,
+                                  TrainerConfig, StackingConfig, CheckpointConfig)
+
+# Settings that moved to another config: gin names the new place when an old binding is parsed,
+# and checkpoints saved before the move are read with the setting where it is now.
+MOVED_SETTINGS = {f"DataConfig.{name}": f"ObjectivesConfig.{name}"
+                  for name in ("causal_rate", "prefix_rate", "span_rate", "span_denoisers", "mode_tokens",
+                               "num_sentinels")}

@@ -87,6 +87,10 @@ def _suggest(name: str, choices: Iterable[str]) -> str:
 def _explain_gin_error(e: Exception) -> ConfigError:
   msg = str(e).split("\n")[0]
   m = re.search(r"Configurable '([\w.]+)' doesn't have a parameter named '(\w+)'", msg)
+  moved = m and configs.MOVED_SETTINGS.get(f"{m.group(1).split('.')[-1]}.{m.group(2)}")
+  if moved:
+    return ConfigError(f"{m.group(1)}.{m.group(2)}", f"has moved to {moved}",
+                       f"bind {moved} instead (gin/objectives/ has the UL2 mixtures as gin files)")
   if m:
     cls = next((c for c in _REGISTERED if c.__name__ == m.group(1).split(".")[-1]), None)
     params = list(inspect.signature(cls).parameters) if cls else []

@@ -113,7 +113,7 @@ def test_unwritable_workdir_and_unknown_flag(tmp_path, capsys):
 def test_data_sample_writes_decoded_examples(tmp_path, capsys):
   out = tmp_path / "sample.jsonl"
   assert cli.main(["data", "sample", f"--gin_file={DEMO}", "--steps=2", f"--out={out}",
-                   "--gin.DataConfig.mode_tokens=True"]) == 0
+                   "--gin.ObjectivesConfig.mode_tokens=True"]) == 0
   records = [json.loads(l) for l in out.read_text().splitlines()]
   assert {r["step"] for r in records} == {0, 1}
   assert {r["objective"] for r in records} == {"causal", "prefix", "span"}
@@ -126,3 +126,23 @@ def test_data_sample_writes_decoded_examples(tmp_path, capsys):
       assert r["prefix"].startswith("[S2S]")
     else:
       assert r["prefix"] == "" and r["prefix_tokens"] == 0
+
+
+def _leaf_parsers(parser, path=()):
+  """(command words, parser) for every command that runs something."""
+  import argparse  # pylint: disable=import-outside-toplevel
+  groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # pylint: disable=protected-access
+  if not groups:
+    yield path, parser
+  for group in groups:
+    for name, sub in group.choices.items():
+      yield from _leaf_parsers(sub, path + (name,))
+
+
+def test_every_command_registers_the_same_way_with_a_handler():
+  commands = dict(_leaf_parsers(cli.parser()))
+  assert {("train",), ("compare",), ("inspect",), ("eval",), ("report",), ("export",), ("import",),
+          ("study", "anchor"), ("study", "stacking"), ("bench", "train"), ("bench", "compile"),
+          ("bench", "data"), ("data", "prepare"), ("data", "sample")} <= set(commands)
+  for words, parser in commands.items():
+    assert callable(parser.get_default("handler")), " ".join(words)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from midas_jax.configs import DataConfig
+from midas_jax.configs import DataConfig, ObjectivesConfig
 from midas_jax.data import corpus, sources
 from midas_jax.data.packing import FIELD_DTYPES, FIELDS, packing_efficiency
 from midas_jax.data.pipeline import Pipeline, tokenize_documents
@@ -56,13 +56,16 @@ def index(documents):
 VOCAB_SIZE = ByteVocabulary().vocab_size
 
 
+CAUSAL_ONLY = ObjectivesConfig(causal_rate=1.0, prefix_rate=0.0, span_rate=0.0)
+
+
 def CausalLMPipeline(cfg, docs):  # pylint: disable=invalid-name
-  return Pipeline(cfg, docs, VOCAB_SIZE)
+  """Causal LM only, so every segment is a window of one document (the UL2 mixture is tested below)."""
+  return Pipeline(cfg, docs, VOCAB_SIZE, mix=CAUSAL_ONLY)
 
 
 def config(**kw):
-  """Causal LM only, so every segment is a window of one document (the UL2 mixture is tested below)."""
-  base = dict(seq_len=128, batch_size=8, seed=0, causal_rate=1.0, prefix_rate=0.0, span_rate=0.0)
+  base = dict(seq_len=128, batch_size=8, seed=0)
   base.update(kw)
   return DataConfig(**base)
 
@@ -274,8 +277,9 @@ def test_examples_follow_the_mixture_rates(documents):
 
 @pytest.mark.parametrize("mode_tokens", [False, True])
 def test_every_example_decodes_to_a_window_of_a_document(documents, index, mode_tokens):
-  cfg = DataConfig(seq_len=256, batch_size=8, span_denoisers=UL2_FULL, mode_tokens=mode_tokens)
-  pipeline = Pipeline(cfg, documents, VOCAB_SIZE)
+  cfg = DataConfig(seq_len=256, batch_size=8)
+  mix = ObjectivesConfig(span_denoisers=UL2_FULL, mode_tokens=mode_tokens)
+  pipeline = Pipeline(cfg, documents, VOCAB_SIZE, mix=mix)
   special = pipeline.special
   sentinels = set(special.sentinel_ids)
   modes = set(special.mode_ids.values())
@@ -304,9 +308,10 @@ def test_ul2_packing_efficiency_at_the_demo_length(documents):
 @given(seed=st.integers(0, 2**31), step=st.integers(0, 10**6), seq_len=st.sampled_from([32, 64, 200]),
        span=st.sampled_from(UL2_FULL), mode_tokens=st.booleans())
 def test_row_invariants_hold_for_any_step_and_mixture(documents, seed, step, seq_len, span, mode_tokens):
-  cfg = DataConfig(seq_len=seq_len, batch_size=2, seed=seed, causal_rate=0.2, prefix_rate=0.3, span_rate=0.5,
-                   span_denoisers=(span,), mode_tokens=mode_tokens, min_chunk=8)
-  batch = Pipeline(cfg, documents, VOCAB_SIZE).batch(step)
+  cfg = DataConfig(seq_len=seq_len, batch_size=2, seed=seed, min_chunk=8)
+  mix = ObjectivesConfig(causal_rate=0.2, prefix_rate=0.3, span_rate=0.5, span_denoisers=(span,),
+                         mode_tokens=mode_tokens)
+  batch = Pipeline(cfg, documents, VOCAB_SIZE, mix=mix).batch(step)
   assert batch["targets"].shape == (2, seq_len)
   seg = batch["segment_ids"]
   for r in range(2):
@@ -333,8 +338,8 @@ from midas_jax.data import streams  # noqa: E402
 
 
 def test_span_examples_have_the_t5_counts(documents):
-  cfg = DataConfig(seq_len=256, batch_size=16, span_denoisers=UL2_FULL, mode_tokens=False)
-  pipeline = Pipeline(cfg, documents, VOCAB_SIZE)
+  cfg = DataConfig(seq_len=256, batch_size=16)
+  pipeline = Pipeline(cfg, documents, VOCAB_SIZE, mix=ObjectivesConfig(span_denoisers=UL2_FULL, mode_tokens=False))
   sentinels = set(pipeline.special.sentinel_ids)
   spans = 0
   for step in range(4):
@@ -397,8 +402,9 @@ def test_span_masks_from_counter_keys_are_uniform():
 def test_documents_shorter_than_a_span_become_causal_examples():
   """A one-token document cannot be split: span corruption and prefix LM take it as causal LM."""
   docs = [np.array([EOS], np.int32), np.array([10, EOS], np.int32), np.array([10, 11, 12, EOS], np.int32)]
-  cfg = DataConfig(seq_len=32, batch_size=4, causal_rate=0.0, prefix_rate=0.5, span_rate=0.5, min_chunk=2)
-  pipeline = Pipeline(cfg, {"train": docs, "validation": docs}, VOCAB_SIZE)
+  cfg = DataConfig(seq_len=32, batch_size=4, min_chunk=2)
+  mix = ObjectivesConfig(causal_rate=0.0, prefix_rate=0.5, span_rate=0.5)
+  pipeline = Pipeline(cfg, {"train": docs, "validation": docs}, VOCAB_SIZE, mix=mix)
   sentinels = set(pipeline.special.sentinel_ids)
   seen = set()
   for step in range(5):

@@ -4,13 +4,14 @@ Stores here are written by the store's own in-process writer (the Beam pipeline'
 test_store_prepare.py) from the built-in corpus.
 """
 
+import dataclasses
 import json
 import os
 
 import numpy as np
 import pytest
 
-from midas_jax.configs import DataConfig
+from midas_jax.configs import DataConfig, ObjectivesConfig
 from midas_jax.data import sources, streams
 from midas_jax.data.packing import FIELDS, packing_efficiency
 from midas_jax.data.pipeline import tokenize_documents
@@ -38,6 +39,9 @@ def store(tmp_path_factory, documents):
   path = str(tmp_path_factory.mktemp("store"))
   writer.write_store(path, documents, VOCAB, store_format.source_description(DataConfig()), documents_per_shard=128)
   return path
+
+
+SPAN_ONLY = ObjectivesConfig(causal_rate=0.0, prefix_rate=0.0, span_rate=1.0)
 
 
 def store_config(store, **kw):
@@ -123,8 +127,8 @@ def test_the_store_holds_the_documents_in_order(store, documents):
 
 @pytest.mark.parametrize("mode_tokens", [False, True])
 def test_an_epoch_trains_on_every_token_once_and_the_next_one_in_another_order(store, documents, mode_tokens):
-  config = store_config(store, span_denoisers=UL2_FULL, mode_tokens=mode_tokens)
-  pipeline = PreparedPipeline(config, VOCAB)
+  config = store_config(store)
+  pipeline = PreparedPipeline(config, VOCAB, mix=ObjectivesConfig(span_denoisers=UL2_FULL, mode_tokens=mode_tokens))
   starts, stream = global_tokens(documents["train"])
   orders = []
   for epoch in (0, 1):
@@ -142,7 +146,7 @@ def test_an_epoch_trains_on_every_token_once_and_the_next_one_in_another_order(s
 
 
 def test_long_documents_become_consecutive_pieces(store, documents):
-  pipeline = PreparedPipeline(store_config(store, causal_rate=0.0, prefix_rate=0.0, span_rate=1.0), VOCAB)
+  pipeline = PreparedPipeline(store_config(store), VOCAB, mix=SPAN_ONLY)
   long = [d for d, doc in enumerate(documents["train"]) if len(doc) > 3 * 64]
   assert long
   pieces = {d: [] for d in long}
@@ -174,8 +178,8 @@ def test_rows_that_run_out_of_room_make_their_last_examples_causal(tmp_path):
   docs += [np.asarray([rng.integers(3, 259), 1], np.int32) for _ in range(300)]
   writer.write_store(str(tmp_path), {"train": docs, "validation": docs[:5]}, VOCAB,
                      store_format.source_description(DataConfig()))
-  config = store_config(str(tmp_path), causal_rate=0.0, prefix_rate=0.0, span_rate=1.0, mode_tokens=True)
-  pipeline = PreparedPipeline(config, VOCAB)
+  config = store_config(str(tmp_path))
+  pipeline = PreparedPipeline(config, VOCAB, mix=dataclasses.replace(SPAN_ONLY, mode_tokens=True))
   starts, stream = global_tokens(docs)
   covered = np.zeros(len(stream), np.int64)
   for _, obj, tokens, prefix_len, doc, start, length in epoch_examples(pipeline, 0):

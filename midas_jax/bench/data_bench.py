@@ -32,7 +32,7 @@ from typing import Dict, Optional
 from midas_jax.bench import store_bench
 from midas_jax.bench.pipeline_timing import TARGET_VS_TRAINING, measure_ours, measure_training, one_core
 from midas_jax.bench.t5_reference import T5_DENOISER, import_t5_reference, measure_t5
-from midas_jax.configs import DataConfig, RunConfig
+from midas_jax.configs import ObjectivesConfig, RunConfig
 from midas_jax.data.factory import load_data
 from midas_jax.data.pipeline import Pipeline
 from midas_jax.train.build import build_stage
@@ -42,9 +42,9 @@ TARGET_VS_TF = 10.0
 
 # ----------------------------------------------------------------------------- ours
 
-def span_only(data: DataConfig) -> DataConfig:
-  """The config's data with span corruption alone, t5's default denoiser and no mode token."""
-  return dataclasses.replace(data, causal_rate=0.0, prefix_rate=0.0, span_rate=1.0,
+def span_only(mix: ObjectivesConfig) -> ObjectivesConfig:
+  """The config's mixture as span corruption alone, t5's default denoiser and no mode token."""
+  return dataclasses.replace(mix, causal_rate=0.0, prefix_rate=0.0, span_rate=1.0,
                              span_denoisers=(T5_DENOISER,), mode_tokens=False)
 
 
@@ -75,7 +75,7 @@ def run(config: RunConfig, seconds: float = 5.0, train_tokens_per_second: Option
     vocab, pipeline = build.vocab, build.pipeline
     training = measure_training(build, steps=train_steps)  # before the pin: all cores
   documents = pipeline.documents
-  span_pipeline = Pipeline(span_only(config.data), documents, vocab.vocab_size)
+  span_pipeline = Pipeline(config.data, documents, vocab.vocab_size, mix=span_only(config.objectives))
   warmup_seconds = min(1.0, max(0.1, seconds / 4))
 
   with one_core() as cpu:

@@ -50,8 +50,27 @@ def _tuples(value: Any) -> Any:
   return value
 
 
+def _sections() -> Dict[str, str]:
+  """{config class name: its RunConfig field}, e.g. {"DataConfig": "data"}."""
+  return {f.default_factory.__name__: f.name for f in dataclasses.fields(configs.RunConfig)}
+
+
+def _moved_to_their_sections(d: Dict[str, Any]) -> Dict[str, Any]:
+  """A config saved before settings moved (configs.MOVED_SETTINGS), with them where they are now."""
+  sections = _sections()
+  d = {k: dict(v) if isinstance(v, dict) else v for k, v in d.items()}
+  for old, new in configs.MOVED_SETTINGS.items():
+    (old_class, name), (new_class, new_name) = old.split("."), new.split(".")
+    saved = d.get(sections[old_class], {})
+    if isinstance(saved, dict) and name in saved:
+      d.setdefault(sections[new_class], {}).setdefault(new_name, saved.pop(name))
+  return d
+
+
 def config_from_dict(d: Dict[str, Any]) -> configs.RunConfig:
-  """The RunConfig saved by config_to_dict (fields this version does not know are dropped)."""
+  """The RunConfig saved by config_to_dict (fields this version does not know are dropped; settings
+  that have moved since are read where they are now)."""
+  d = _moved_to_their_sections(d)
   parts = {}
   for field in dataclasses.fields(configs.RunConfig):
     cls = field.default_factory  # every RunConfig field is a config dataclass

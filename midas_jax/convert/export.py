@@ -73,7 +73,7 @@ def write_export(params: Mapping, model_config: ModelConfig, run_config: RunConf
   if fmt == "hf":
     return writers.write_hf(out_dir, params, cfg, run_config, provenance, dtype, shard_bytes)
   if fmt == "torch":
-    return writers.write_torch(out_dir, params, cfg, run_config.data, provenance, dtype)
+    return writers.write_torch(out_dir, params, cfg, run_config.objectives, provenance, dtype)
   return writers.write_npz(out_dir, params, cfg, provenance)
 
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping
 import numpy as np
 
 from midas_jax import fs
-from midas_jax.configs import DataConfig, ModelConfig, RunConfig
+from midas_jax.configs import ModelConfig, ObjectivesConfig, RunConfig
 from midas_jax.convert import hf_config, mapping, shards
 from midas_jax.convert import tokenizer as tokenizer_lib
 from midas_jax.data import objectives
@@ -36,9 +36,9 @@ CAUSAL_LIMIT = (
     "continuation and scoring are exact; for prefix-LM and infilling use `midas eval` here.")
 
 
-def causal_note(data: DataConfig) -> str:
-  """What running causally means for a model trained on `data`'s objectives."""
-  if data.causal_rate >= 1.0:
+def causal_note(mix: ObjectivesConfig) -> str:
+  """What running causally means for a model trained on the UL2 mixture `mix`."""
+  if mix.causal_rate >= 1.0:
     return "The model was trained on causal LM only: transformers computes what it was trained for."
   return CAUSAL_LIMIT
 
@@ -84,7 +84,7 @@ def special_tokens_record(run_config: RunConfig, vocab) -> Dict[str, Any]:
   """The vocabulary's special ids and the objectives' sentinels and mode tokens, for config.json."""
   record = dict(vocab.special_ids())
   try:
-    record.update(objectives.vocabulary_special_tokens(vocab, run_config.data.num_sentinels).to_json())
+    record.update(objectives.vocabulary_special_tokens(vocab, run_config.objectives.num_sentinels).to_json())
   except ConfigError:  # too few extra ids for sentinels: the run trained causal LM alone
     pass
   return record
@@ -126,12 +126,12 @@ print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 config.json records every special id under "{SPECIAL_TOKENS_KEY}".
 {padding}
 ## Limits
-{causal_note(run_config.data)}
+{causal_note(run_config.objectives)}
 """)
   return fs.listdir(out_dir)
 
 
-def write_torch(out_dir: str, params: Mapping, cfg: ModelConfig, data: DataConfig,
+def write_torch(out_dir: str, params: Mapping, cfg: ModelConfig, mix: ObjectivesConfig,
                 provenance: Dict[str, Any], dtype: str = "float32") -> List[str]:
   """model.safetensors: exactly `model.state_dict()` of the transformers model (tied head included)."""
   tensors = mapping.hf_tensors(params, cfg)
@@ -150,7 +150,7 @@ def write_torch(out_dir: str, params: Mapping, cfg: ModelConfig, data: DataConfi
 {arch} built with the matching config (the ModelConfig is in the file's
 metadata under "midas_jax.model_config" and in {PROVENANCE_FILE}).
 
-{causal_note(data)}
+{causal_note(mix)}
 """)
   return fs.listdir(out_dir)
 

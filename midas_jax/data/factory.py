@@ -36,5 +36,6 @@ def load_data(config: RunConfig) -> Tuple[Vocabulary, AnyPipeline]:
   """The vocabulary and the pipeline over the configured source."""
   vocab = make_vocabulary(config.data)
   if config.data.source == "prepared":
-    return vocab, PreparedPipeline(config.data, vocab)
-  return vocab, Pipeline(config.data, load_token_documents(config, vocab), vocab.vocab_size, vocab)
+    return vocab, PreparedPipeline(config.data, vocab, mix=config.objectives)
+  return vocab, Pipeline(config.data, load_token_documents(config, vocab), vocab.vocab_size, vocab,
+                         mix=config.objectives)

@@ -26,7 +26,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from midas_jax.configs import DataConfig
+from midas_jax.configs import DataConfig, ObjectivesConfig
 from midas_jax.data import objectives, streams
 from midas_jax.data.packing import pack_rows
 from midas_jax.errors import require
@@ -51,7 +51,7 @@ def span_mode(mean_span: float, density: float) -> str:
   return "[NLG]" if mean_span >= 12 or density >= 0.3 else "[NLU]"
 
 
-def mixture(config: DataConfig) -> List[MixtureEntry]:
+def mixture(config: ObjectivesConfig) -> List[MixtureEntry]:
   """The objectives of the UL2 mixture with their per-example probabilities."""
   entries = []
   if config.causal_rate > 0:
@@ -75,7 +75,7 @@ _SLOT_COUNTERS = (_DRAWS_PER_SLOT * np.arange(_SLOTS_PER_DRAW)[:, None, None]
 CAUSAL_ID, PREFIX_ID, SPAN_ID = (objectives.OBJECTIVE_IDS[k] for k in ("causal", "prefix", "span"))
 
 
-def example_tables(config: DataConfig, entries: Sequence[MixtureEntry],
+def example_tables(seq_len: int, config: ObjectivesConfig, entries: Sequence[MixtureEntry],
                    special: objectives.SpecialTokens) -> Dict[str, np.ndarray]:
   """What the fill loop and the layout look up instead of computing per example, for each mixture
   entry e and length i in [0, seq_len], each (entries, seq_len + 1):
@@ -88,7 +88,7 @@ def example_tables(config: DataConfig, entries: Sequence[MixtureEntry],
     prefix     its prefix length when no draw decides it (causal 0, span [mode] + inputs)
     num_noise, num_spans   of span corruption
   """
-  s = config.seq_len
+  s = seq_len
   raw = np.arange(s + 1)
   t = {k: np.zeros((len(entries), s + 1), np.int64)
        for k in ("budget", "kind", "mode_id", "length", "prefix", "num_noise", "num_spans")}
@@ -101,7 +101,7 @@ def example_tables(config: DataConfig, entries: Sequence[MixtureEntry],
           s, d.noise_density, d.mean_noise_span_length)
       t["prefix"][i] = mode + raw - t["num_noise"][i] + t["num_spans"][i]
     t["length"][i] = raw + 2 * t["num_spans"][i] + mode
-    fits = span_budget_table(config, d) if d.kind == "span" else raw
+    fits = span_budget_table(seq_len, config.num_sentinels, d) if d.kind == "span" else raw
     t["budget"][i, mode:] = fits[:s + 1 - mode]
   t["budget"][t["budget"] < 2] = 0
   t["kind"][:, :2] = t["mode_id"][:, :2] = t["prefix"][:, :2] = 0  # under 2 raw tokens: causal LM
@@ -109,16 +109,16 @@ def example_tables(config: DataConfig, entries: Sequence[MixtureEntry],
   return t
 
 
-def span_budget_table(config: DataConfig, denoiser: objectives.Denoiser) -> np.ndarray:
+def span_budget_table(seq_len: int, num_sentinels: int, denoiser: objectives.Denoiser) -> np.ndarray:
   """table[b] = the longest raw length whose corrupted length is <= b, for b in [0, seq_len].
 
   Span corruption also needs a sentinel per span: windows are capped so that they never need more
   than num_sentinels (long rows with dense noise then hold several shorter examples).
   """
   d, mu = denoiser.noise_density, denoiser.mean_noise_span_length
-  raw = np.arange(config.seq_len + 1)
-  spans = objectives.span_count_table(config.seq_len, d, mu)[1]
-  usable = raw[spans <= config.num_sentinels]  # span counts only grow with length
+  raw = np.arange(seq_len + 1)
+  spans = objectives.span_count_table(seq_len, d, mu)[1]
+  usable = raw[spans <= num_sentinels]  # span counts only grow with length
   corrupted = usable + 2 * spans[usable]
   return usable[np.searchsorted(corrupted, raw, side="right") - 1]
 
@@ -150,24 +150,27 @@ def place_examples(size: int, tokens: np.ndarray, first, body, n, kind, mode_id,
 class Pipeline:
   """Packed UL2 rows over tokenized documents, addressed by (split, step, row)."""
 
-  def __init__(self, config: DataConfig, documents: Dict[str, List[np.ndarray]], vocab_size: int, vocab=None):
+  def __init__(self, config: DataConfig, documents: Dict[str, List[np.ndarray]], vocab_size: int, vocab=None,
+               mix: ObjectivesConfig = ObjectivesConfig()):
     """vocab: the vocabulary (data/vocab.py), whose own special tokens are then used and recorded;
-    without it the sentinels and mode tokens are the top extra ids of vocab_size."""
+    without it the sentinels and mode tokens are the top extra ids of vocab_size. mix: the UL2
+    mixture the examples are drawn from."""
     for split, docs in documents.items():
       require(len(docs) > 0, "DataConfig", f"the {split} split has no documents",
               "check the data source (DataConfig.source / train_files / eval_files)")
     require((_DRAWS_PER_SLOT + 2) * config.seq_len < 1 << streams.ROW_BITS, "DataConfig.seq_len",
             f"{config.seq_len} needs more random draws per row than a row has", "use seq_len < 2,000,000")
-    self.config = config
+    self.config, self.mix = config, mix
     self.documents = documents
-    self.special = (objectives.special_tokens(vocab_size, config.extra_ids, config.num_sentinels) if vocab is None
-                    else objectives.vocabulary_special_tokens(vocab, config.num_sentinels))
+    self.special = (objectives.special_tokens(vocab_size, config.extra_ids, mix.num_sentinels) if vocab is None
+                    else objectives.vocabulary_special_tokens(vocab, mix.num_sentinels))
     self._vocabulary = None if vocab is None else vocab.special_ids()
     self._bos_id = 0 if vocab is None else vocab.start_id
-    self.entries = mixture(config)
+    self.entries = mixture(mix)
     self._cumulative = np.cumsum([e.probability for e in self.entries])
     self._cumulative[-1] = 1.0
-    self._table = {k: v.ravel() for k, v in example_tables(config, self.entries, self.special).items()}
+    tables = example_tables(config.seq_len, mix, self.entries, self.special)
+    self._table = {k: v.ravel() for k, v in tables.items()}
     self._keys = {split: streams.split_key(config.seed, i) for split, i in SPLITS.items()}
     self._pools = {split: _Pool(docs) for split, docs in documents.items()}
     self._cache: Dict[tuple, Dict[int, Dict[str, np.ndarray]]] = {}  # (split, process) -> step -> batch
@@ -273,7 +276,7 @@ class Pipeline:
   def describe(self) -> Dict[str, object]:
     """The mixture and the pinned special-token ids, for config files and checkpoint metadata."""
     out = {"objectives": [dict(e.denoiser.to_json(), probability=e.probability) for e in self.entries],
-           "special_tokens": self.special.to_json(), "mode_tokens": self.config.mode_tokens}
+           "special_tokens": self.special.to_json(), "mode_tokens": self.mix.mode_tokens}
     if self._vocabulary is not None:
       out["vocabulary"] = self._vocabulary
     return out

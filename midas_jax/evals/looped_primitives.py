@@ -4,7 +4,7 @@ Kapl et al. (2026) report that looping the middle blocks of a depth-grown model 
 though it never trained to loop, raises accuracy on some reasoning primitives. This suite runs the
 k-shot primitives (same questions as the `primitives` suite) with the model's layer order
 [0, start), [start, start + b) r times, [start + b, depth): the block MIDAS copies, block ceil(n/2)
-of the n = depth / b blocks (model/looping.py). The parameters are the checkpoint's, unchanged;
+of the n = depth / b blocks (model/layer_order.py). The parameters are the checkpoint's, unchanged;
 r = 1 is the plain model. b is the run's StackingConfig block size; a baseline run has no blocks of
 its own, so it needs --loop_block_size (use the grown run's, to compare like with like).
 """

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from midas_jax import fs
-from midas_jax.configs import DataConfig
+from midas_jax.configs import DataConfig, ObjectivesConfig
 from midas_jax.data import objectives, streams
 from midas_jax.data.packing import pack_rows
 from midas_jax.data.pipeline import (CAUSAL_ID, PREFIX_ID, SPAN_ID, SPLITS, example_tables, mixture,
@@ -39,17 +39,18 @@ _LAYOUT_STREAMS, _DRAW_STREAMS = 16, 24  # stream ids, apart from the in-memory 
 class PreparedPipeline:
   """Packed UL2 rows over a prepared store, addressed by (split, step, row); see the module doc."""
 
-  def __init__(self, config: DataConfig, vocab, store: Optional[str] = None):
+  def __init__(self, config: DataConfig, vocab, store: Optional[str] = None,
+               mix: ObjectivesConfig = ObjectivesConfig()):
     store = fs.check(store or config.prepared_dir, "DataConfig.prepared_dir")
     manifest = store_format.read_manifest(store)
     store_format.check_matches(manifest, config, vocab, store)
     require(2 * config.seq_len < 1 << streams.ROW_BITS, "DataConfig.seq_len",
             f"{config.seq_len} needs more random draws per row than a row has", "use seq_len < 8,000,000")
-    self.config, self.store, self.manifest = config, store, manifest
-    self.special = objectives.vocabulary_special_tokens(vocab, config.num_sentinels)
+    self.config, self.mix, self.store, self.manifest = config, mix, store, manifest
+    self.special = objectives.vocabulary_special_tokens(vocab, mix.num_sentinels)
     self._vocabulary, self._bos_id = vocab.special_ids(), vocab.start_id
-    self.entries = mixture(config)
-    tables = example_tables(config, self.entries, self.special)
+    self.entries = mixture(mix)
+    tables = example_tables(config.seq_len, mix, self.entries, self.special)
     self._table = {k: v.ravel() for k, v in tables.items()}
     self._chunk = np.asarray([self._chunk_size(tables, i) for i in range(len(self.entries))], np.int64)
     self._sentinel_ids = np.asarray(self.special.sentinel_ids, np.int32)
@@ -65,7 +66,7 @@ class PreparedPipeline:
       self.readers[split] = reader
       self.layouts[split] = EpochLayout(config.seq_len, self.entries, tables["length"], self._chunk, reader.tokens,
                                         reader.documents, streams.split_key(config.seed, _LAYOUT_STREAMS + index),
-                                        config.mode_tokens)
+                                        mix.mode_tokens)
       self._keys[split] = streams.split_key(config.seed, _DRAW_STREAMS + index)
     # Ranged reads of a remote store wait on the network: several at once. Local ones are in line.
     self._io = concurrent.futures.ThreadPoolExecutor(config.read_threads) if fs.is_remote(store) else None
@@ -76,7 +77,7 @@ class PreparedPipeline:
     """The longest piece that is one example: span corruption needs a sentinel per span."""
     if self.entries[i].denoiser.kind != "span":
       return self.config.seq_len
-    return int(np.flatnonzero(tables["num_spans"][i] <= self.config.num_sentinels).max())
+    return int(np.flatnonzero(tables["num_spans"][i] <= self.mix.num_sentinels).max())
 
   # ----------------------------------------------------------------------------- reading
 
@@ -181,7 +182,7 @@ class PreparedPipeline:
   def describe(self) -> Dict[str, object]:
     """The mixture, the pinned special-token ids and the store, for config files and checkpoints."""
     return {"objectives": [dict(e.denoiser.to_json(), probability=e.probability) for e in self.entries],
-            "special_tokens": self.special.to_json(), "mode_tokens": self.config.mode_tokens,
+            "special_tokens": self.special.to_json(), "mode_tokens": self.mix.mode_tokens,
             "vocabulary": self._vocabulary,
             "store": {"path": self.store, "vocabulary": self.manifest["vocabulary"],
                       "source": self.manifest["source"],
