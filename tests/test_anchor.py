@@ -1,6 +1,7 @@
 """The anchor-function data obeys its definition; a tiny stacked study trains, scores, resumes and plots via the
 CLI; the grid of several arms, stage plans and growth of a cell."""
 
+import dataclasses
 import json
 import os
 
@@ -9,8 +10,8 @@ import pytest
 
 from midas_jax import cli
 from midas_jax.errors import ConfigError
-from midas_jax.studies import anchor_study, anchor_task as anchor
-from midas_jax.studies.anchor_config import AnchorStudyConfig
+from midas_jax.studies import anchor_cells, anchor_study, anchor_task as anchor
+from midas_jax.studies.anchor_config import ANCHOR_MODEL, ANCHOR_OPTIMIZER, AnchorStudyConfig
 
 # The definition, written out independently of the module: anchor -> its map on a key.
 MAPS = {1: lambda x: (x + 5) % 100, 2: lambda x: (x + 1) % 100, 3: lambda x: (x - 2) % 100,
@@ -69,8 +70,10 @@ def test_keys_cover_the_range_and_positions_evenly_enough():
 def test_study_config_is_checked():
   with pytest.raises(ConfigError, match="AnchorStudyConfig.gammas"):
     AnchorStudyConfig(gammas=(0.0,))
-  with pytest.raises(ConfigError, match="AnchorStudyConfig.num_heads"):
-    AnchorStudyConfig(d_model=10, num_heads=4)
+  with pytest.raises(ConfigError, match="ModelConfig.num_heads"):  # the study's model is a ModelConfig
+    AnchorStudyConfig(model=dataclasses.replace(ANCHOR_MODEL, d_model=10, num_heads=4))
+  with pytest.raises(ConfigError, match="OptimizerConfig.warmup_steps"):
+    AnchorStudyConfig(steps=100)  # the paper's 100 warmup steps take the whole run
 
 
 # One stacked arm: its cell trains stage by stage through the same loop a fixed-depth cell runs once
@@ -78,9 +81,9 @@ def test_study_config_is_checked():
 # hand-made cells below, without training.
 TINY = ["--gin.AnchorStudyConfig.gammas=[0.5]", "--gin.AnchorStudyConfig.depths=[2]",
         "--gin.AnchorStudyConfig.arms=['midas']",
-        "--gin.AnchorStudyConfig.d_model=16", "--gin.AnchorStudyConfig.d_ff=32",
+        "--gin.ModelConfig.d_model=16", "--gin.ModelConfig.d_ff=32",
         "--gin.AnchorStudyConfig.train_examples=4096", "--gin.AnchorStudyConfig.batch_size=64",
-        "--gin.AnchorStudyConfig.steps=20", "--gin.AnchorStudyConfig.warmup_steps=5",
+        "--gin.AnchorStudyConfig.steps=20", "--gin.OptimizerConfig.warmup_steps=5",
         "--gin.AnchorStudyConfig.eval_every=0", "--gin.AnchorStudyConfig.eval_examples=32"]  # 0: at the end
 
 
@@ -109,9 +112,9 @@ def test_cli_trains_a_stacked_cell_scores_it_and_resumes(tmp_path, repo_root, ca
 
 def test_stage_plans_of_the_arms():
   cfg = AnchorStudyConfig(steps=1000, stage_alpha=1.0)
-  assert anchor_study.stage_plan(cfg, "fixed", 4) == [(4, 1000)]
-  assert anchor_study.stage_plan(cfg, "midas", 4) == [(1, 100), (2, 200), (3, 300), (4, 400)]
-  assert anchor_study.stage_plan(cfg, "gradstack", 2) == [(1, 333), (2, 667)]
+  assert anchor_cells.stage_plan(cfg, "fixed", 4) == [(4, 1000)]
+  assert anchor_cells.stage_plan(cfg, "midas", 4) == [(1, 100), (2, 200), (3, 300), (4, 400)]
+  assert anchor_cells.stage_plan(cfg, "gradstack", 2) == [(1, 333), (2, 667)]
 
 
 def _cell(arm, seed, inferential, symmetric, seen=1.0):
@@ -144,14 +147,15 @@ def test_growing_a_cell_copies_layers_and_their_adam_moments():
   import jax  # pylint: disable=import-outside-toplevel
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   from midas_jax.model import Decoder  # pylint: disable=import-outside-toplevel
-  cfg = AnchorStudyConfig(d_model=16, d_ff=32, steps=10, warmup_steps=1)
-  model = Decoder(anchor_study.model_config(cfg, 0.5, 2))
-  shapes = jax.eval_shape(model.init, jax.random.key(0), anchor_study.decoder_batch(np.zeros((1, 8), np.int32)))
+  cfg = AnchorStudyConfig(model=dataclasses.replace(ANCHOR_MODEL, d_model=16, d_ff=32), steps=10,
+                          optimizer=dataclasses.replace(ANCHOR_OPTIMIZER, warmup_steps=1))
+  model = Decoder(anchor_cells.model_config(cfg, 0.5, 2))
+  shapes = jax.eval_shape(model.init, jax.random.key(0), anchor_cells.decoder_batch(np.zeros((1, 8), np.int32)))
   distinct = lambda x: np.arange(x.size, dtype=np.float32).reshape(x.shape) / max(x.size, 1)  # noqa: E731
   params = jax.tree.map(distinct, nn.unbox(shapes["params"]))  # every entry differs, per layer too
-  tx = anchor_study.make_optimizer(cfg)
+  tx = anchor_cells.make_optimizer(cfg)
   opt_state = jax.tree.map(lambda x: distinct(x) + 1 if getattr(x, "ndim", 0) else x, tx.init(params))  # moments
-  grown, grown_opt = anchor_study.grow(model, tx, params, opt_state, "midas")
+  grown, grown_opt = anchor_cells.grow(model, tx, params, opt_state, "midas")
   old, new = jax.tree_util.tree_leaves_with_path(params), dict(jax.tree_util.tree_leaves_with_path(grown))
   layered = 0
   for path, leaf in old:
@@ -177,3 +181,5 @@ def test_cli_names_a_bad_setting(tmp_path, repo_root, capsys):
   assert "gammas" in capsys.readouterr().err
   assert cli.main(args + ["--gin.AnchorStudyConfig.depths=[0]"]) == 2
   assert "AnchorStudyConfig.depths" in capsys.readouterr().err
+  assert cli.main(args + ["--gin.AnchorStudyConfig.d_model=16"]) == 2  # a setting of the study's model now
+  assert "ModelConfig.d_model" in capsys.readouterr().err

@@ -39,17 +39,26 @@ def register(root: CommandGroup) -> None:
 
 
 def _parse(gin_files: Sequence[str], bindings: Sequence[str], config_class: type, example: str) -> None:
-  """Parses the gin files and bindings; an unknown setting of `config_class` names its valid settings."""
+  """Parses the gin files and bindings; an unknown setting of `config_class` names its valid settings,
+  or the composed config (a field's type, e.g. the anchor study's ModelConfig) that has it."""
   name = config_class.__name__
-  settings = [f.name for f in dataclasses.fields(config_class)]
+  fields = dataclasses.fields(config_class)
+  settings = [f.name for f in fields]
   try:
     parse_gin(gin_files, bindings, example)
   except ConfigError as e:
-    if e.setting.startswith(f"{name}."):
-      close = difflib.get_close_matches(e.setting.split(".")[-1], settings, n=2)
-      hint = f"did you mean {', '.join(close)}? " if close else ""
-      raise ConfigError(e.setting, e.problem, f"{hint}valid settings: {', '.join(settings)}") from None
-    raise
+    if not e.setting.startswith(f"{name}."):
+      raise
+    setting = e.setting.split(".")[-1]
+    owner = next((f for f in fields if dataclasses.is_dataclass(f.default) and
+                  setting in {g.name for g in dataclasses.fields(f.default)}), None)
+    if owner is not None:
+      kind = type(owner.default).__name__
+      raise ConfigError(e.setting, f"is a setting of the study's {owner.name}, a {kind}",
+                        f"bind {kind}.{setting} (with {name}.{owner.name} = @{kind}())") from None
+    close = difflib.get_close_matches(setting, settings, n=2)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise ConfigError(e.setting, e.problem, f"{hint}valid settings: {', '.join(settings)}") from None
 
 
 def study_config_from_gin(gin_files: Sequence[str], bindings: Sequence[str]) -> Tuple[AnchorStudyConfig, str]:

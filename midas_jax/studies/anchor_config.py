@@ -6,21 +6,28 @@ import dataclasses
 import math
 from typing import Tuple
 
+from midas_jax.configs import ModelConfig, OptimizerConfig
 from midas_jax.errors import require
 
 GAMMA_RANGE = (0.05, 3.0)
-FAMILIES = ("gpt2", "llama")
 ARMS = ("fixed", "midas", "gradstack")  # fixed depth throughout, or grown by that operator
+
+# The paper's cells (Zhang et al.): a gpt2-family decoder of width 64 and one head, in float32,
+# trained by AdamW (PyTorch's betas, embeddings decayed too) after clipping, warmup + cosine.
+ANCHOR_MODEL = ModelConfig(family="gpt2", d_model=64, num_heads=1, d_ff=256, dtype="float32")
+ANCHOR_OPTIMIZER = OptimizerConfig(learning_rate=1e-3, warmup_steps=100, decay="cosine", final_lr_fraction=0.1,
+                                   b2=0.999, weight_decay=0.01, decay_embeddings=True, grad_clip_norm=1.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class AnchorStudyConfig:
   """The gamma x depth grid of the anchor-function study, and how each cell's model is trained.
 
-  Every cell trains a fresh Decoder (ModelConfig(init="gamma", init_gamma=gamma, num_layers=depth))
-  once per seed on `train_examples` fixed training rows, with AdamW and the loss on the last token
-  only, and is scored on `eval_examples` test-split rows per pair. A cell whose seen-pair test
-  accuracy is below `fit_threshold` did not fit the task and is shaded in the phase diagram.
+  Every cell trains a fresh Decoder of `model` (with init="gamma", init_gamma=gamma, num_layers=depth
+  and the task's vocabulary and length) once per seed on `train_examples` fixed training rows, with
+  `optimizer` (its schedule over `steps`) and the loss on the last token only, and is scored on
+  `eval_examples` test-split rows per pair. A cell whose seen-pair test accuracy is below
+  `fit_threshold` did not fit the task and is shaded in the phase diagram.
 
   arms: "fixed" trains at `depth` throughout; "midas" and "gradstack" start from one layer and grow
   by that operator in `depth` stages of one-layer blocks (Prop-`stage_alpha` stage lengths, one
@@ -33,18 +40,11 @@ class AnchorStudyConfig:
   seeds: Tuple[int, ...] = (0,)
   arms: Tuple[str, ...] = ("fixed",)
   stage_alpha: float = 1.0
-  family: str = "gpt2"
-  d_model: int = 64
-  num_heads: int = 1
-  d_ff: int = 256
+  model: ModelConfig = ANCHOR_MODEL
+  optimizer: OptimizerConfig = ANCHOR_OPTIMIZER
   train_examples: int = 300_000
   batch_size: int = 512
   steps: int = 1000
-  learning_rate: float = 1e-3
-  warmup_steps: int = 100
-  final_lr_fraction: float = 0.1
-  weight_decay: float = 0.01
-  grad_clip_norm: float = 1.0
   eval_every: int = 250
   eval_examples: int = 256
   fit_threshold: float = 0.9
@@ -71,21 +71,12 @@ class AnchorStudyConfig:
             f"{self.steps} steps cannot give each of {max(self.depths)} stages a step", "train longer")
     require(math.isfinite(self.stage_alpha), s + "stage_alpha", f"must be finite, got {self.stage_alpha}",
             "1.0 is Prop-1, 0.0 equal stages")
-    require(self.family in FAMILIES, s + "family", f"unknown family {self.family!r}", f"use one of {FAMILIES}")
-    for name in ("d_model", "num_heads", "d_ff", "train_examples", "batch_size", "steps", "eval_examples"):
+    for name in ("train_examples", "batch_size", "steps", "eval_examples"):
       value = getattr(self, name)
       require(isinstance(value, int) and value > 0, s + name, f"must be a positive int, got {value!r}",
               f"set {s}{name} to a positive integer")
-    require(self.d_model % self.num_heads == 0, s + "num_heads",
-            f"{self.num_heads} heads do not divide d_model={self.d_model}", "pick num_heads that divides d_model")
-    require(self.family != "llama" or (self.d_model // self.num_heads) % 2 == 0, s + "d_model",
-            "rotary positions need an even head dimension", "make d_model / num_heads even")
-    require(self.learning_rate > 0, s + "learning_rate", "must be > 0", "1e-3 trains a cell in 1000 steps")
-    require(0 <= self.warmup_steps < self.steps, s + "warmup_steps",
-            f"must be in [0, steps={self.steps})", "warm up over a fraction of the steps, e.g. 100")
-    require(0 <= self.final_lr_fraction <= 1, s + "final_lr_fraction", "must be in [0, 1]", "0.1 is common")
-    require(self.weight_decay >= 0, s + "weight_decay", "must be >= 0", "the paper's AdamW uses 0.01")
-    require(self.grad_clip_norm > 0, s + "grad_clip_norm", "must be > 0", "the paper clips at 1.0")
+    require(self.optimizer.warmup_steps < self.steps, "OptimizerConfig.warmup_steps",
+            f"must be below AnchorStudyConfig.steps={self.steps}", "warm up over a fraction of the steps, e.g. 100")
     require(isinstance(self.eval_every, int) and self.eval_every >= 0, s + "eval_every",
             "must be an int >= 0", "0 evaluates only at the end")
     require(0 < self.fit_threshold <= 1, s + "fit_threshold", "must be in (0, 1]", "the paper shades below 0.9")
@@ -93,3 +84,8 @@ class AnchorStudyConfig:
   @property
   def num_cells(self) -> int:
     return len(self.arms) * len(self.gammas) * len(self.depths) * len(self.seeds)
+
+  def cell_model(self, gamma: float, depth: int, vocab_size: int, seq_len: int) -> ModelConfig:
+    """The model of one cell: `model` at `depth` layers, initialized at rate `gamma`, for the task."""
+    return dataclasses.replace(self.model, vocab_size=vocab_size, num_layers=depth, max_seq_len=seq_len,
+                               init="gamma", init_gamma=float(gamma))
