@@ -20,6 +20,7 @@ INIT_SCHEMES = ("gpt2", "gamma")
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "offload")
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("auto", "dot_product", "flash")
+MATMUL_OPERANDS = ("auto", "compute", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,10 @@ class ModelConfig:
     dimension (d_model for embedding and position tables, heads * head_dim for the attention output,
     d_ff for the MLP output). Norm scales start at 1 and biases at 0 under both schemes.
   dtype: the compute dtype; param_dtype: the dtype parameters are stored (and updated) in.
+  matmul_operands: what the matmuls multiply when dtype is bfloat16 (they accumulate in float32 either
+    way): "compute" (bfloat16 operands), "float32" (the same bfloat16 values as float32 operands: the
+    same products, at float32 speed) or "auto" (compute, except in a program the CPU cannot run with
+    them, found by running it once on zeros before it trains: model/dot_support.py).
   loop_start, loop_size, loop_repeats: a looped model: layers [loop_start, loop_start + loop_size)
     share their weights across loop_repeats consecutive applications (1: no looping). Set in training
     for a looped model, or at evaluation to loop a grown model's middle block (model/layer_order.py).
@@ -69,11 +74,14 @@ class ModelConfig:
   loop_repeats: int = 1
   attention: str = "auto"
   qkv_bias: bool = False
+  matmul_operands: str = "auto"
 
   def __post_init__(self):
     s = "ModelConfig."
     require(self.attention in ATTENTION, s + "attention", f"unknown attention implementation {self.attention!r}",
             f"use one of {ATTENTION}")
+    require(self.matmul_operands in MATMUL_OPERANDS, s + "matmul_operands",
+            f"unknown choice {self.matmul_operands!r}", f"use one of {MATMUL_OPERANDS}")
     if self.loop_repeats != 1:
       require(self.loop_repeats >= 1 and self.loop_size >= 1 and self.loop_start >= 0
               and self.loop_start + self.loop_size <= self.num_layers, s + "loop_repeats",

@@ -1,8 +1,12 @@
 """Which dtypes the train step's matmuls run in (docs/model.md#which-ops-run-in-which-dtype), read from
 the program handed to XLA, before any backend pass widens a dtype the CPU cannot run natively."""
 
+import dataclasses
 import math
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +17,13 @@ from jax.ad_checkpoint import print_saved_residuals
 from conftest import layer_config, tiny_model, tiny_run, ul2_rows
 from midas_jax import configs
 from midas_jax.bench import dot_dtypes
-from midas_jax.model import attention, describe_mask, transformer
+from midas_jax.errors import ConfigError
+from midas_jax.model import attention, describe_mask, dot_support, matmul, transformer
 from midas_jax.model.matmul import dot_to_float32
+from midas_jax.data.factory import load_data
+from midas_jax.stacking.checks import schedule_for
 from midas_jax.train import build as build_lib
+from midas_jax.train.stages import StageController
 
 BF16, F32 = "bfloat16", "float32"
 
@@ -130,3 +138,169 @@ def test_optimized_hlo_matmuls_are_read_with_their_flops():
   assert [d.dtypes for d in dots] == [(BF16, BF16, F32), (BF16, BF16, BF16), (F32, F32, F32)]
   assert [d.flops for d in dots] == [2 * 64 * 2048 * 512, 2 * 8 * 128 * 256 * 64, 2 * 4 * 16 * 16 * 8]
   assert dot_dtypes.operand_share(dots, BF16) == pytest.approx(sum(d.flops for d in dots[:2]) / sum(d.flops for d in dots))
+
+
+# ----------------------------------------------------------------------------- programs the CPU cannot run
+
+def test_a_run_stopped_by_unimplemented_reads_as_a_program_the_backend_cannot_run():
+  arg = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+  def program(error):
+    def run(x):
+      if error:
+        raise error
+      return x + 1
+    return lambda: run
+
+  assert dot_support.compiled_if_runs(program(None), (arg,)) is not None
+  unimplemented = jax.errors.JaxRuntimeError("UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: "
+                                             "BF16 x BF16 = F32")
+  assert dot_support.compiled_if_runs(program(unimplemented), (arg,)) is None
+  with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):  # any other failure is not ours
+    dot_support.compiled_if_runs(program(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")), (arg,))
+
+
+def _attention_backward(x, query, mlp_in, mlp_out, operands):
+  """Attention and an MLP, forward and backward, written with the model's matmuls. On this project's
+  CPUs XLA leaves one bfloat16 backward matmul of it (after the softmax backward's fusion) to a
+  runtime without a bfloat16 x bfloat16 -> float32 kernel."""
+  def loss(x, query, mlp_in, mlp_out):
+    bf16 = x.dtype
+    q = matmul.dot("btd,dhk->bthk", x, query, bf16, operands=operands)
+    scores = matmul.dot_to_float32("btnd,bsnd->bnts", q, q, bf16, name=matmul.ATTENTION, operands=operands)
+    probs = jax.nn.softmax(scores, axis=-1).astype(bf16)
+    y = matmul.dot("bnts,bsnd->btnd", probs, q, bf16, name=matmul.ATTENTION, operands=operands).reshape(x.shape)
+    y = matmul.dot("btf,fd->btd", jax.nn.silu(matmul.dot("btd,df->btf", y, mlp_in, bf16, operands=operands)),
+                   mlp_out, bf16, operands=operands)
+    return y.astype(jnp.float32).sum()
+  return jax.grad(loss, argnums=(0, 1, 2, 3))(x, query, mlp_in, mlp_out)
+
+
+@pytest.mark.parametrize("operands", [None, jnp.float32])
+def test_the_float32_operand_form_runs_where_the_bfloat16_one_may_not(operands):
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shapes = [((3, 20, 48), jnp.bfloat16), ((48, 4, 12), jnp.float32), ((48, 64), jnp.float32), ((64, 48), jnp.float32)]
+  args = [jax.ShapeDtypeStruct(s, d, sharding=cpu) for s, d in shapes]
+  program = jax.jit(lambda *a: _attention_backward(*a, operands=operands))
+  runs = dot_support.compiled_if_runs(lambda: program.lower(*args).compile(), args) is not None
+  if operands is None:
+    print(f"this CPU runs the bfloat16 form: {runs}")  # False on the Sapphire Rapids machines this was written on
+  else:
+    assert runs  # the float32 form runs on every CPU
+
+
+def _compute_and_widened_builds(monkeypatch, matmul_operands="auto"):
+  run = tiny_run(model=tiny_model(dtype=BF16, matmul_operands=matmul_operands),
+                 trainer=configs.TrainerConfig(num_steps=2, log_every=1, eval_every=0, progress_bar=False))
+  compute = build_lib.build_stage(run, devices=jax.devices()[:1])
+  monkeypatch.setattr(dot_support, "compiled_if_runs", lambda compile_program, args: None)  # a CPU that cannot
+  return compute, build_lib.build_stage(run, devices=jax.devices()[:1])
+
+
+def test_a_step_the_cpu_cannot_run_in_bfloat16_is_built_with_float32_operands(monkeypatch):
+  compute, widened = _compute_and_widened_builds(monkeypatch)
+  assert (compute.model_config.matmul_operands, widened.model_config.matmul_operands) == ("auto", "float32")
+  losses = []
+  for build in (compute, widened):
+    with build.context():
+      state, batch = build.init_state(), build.device_batch(0)
+      text = build.jit_train_step().lower(build.layout.abstract, batch).as_text()
+      losses.append(float(build.jit_train_step()(state, batch)[1]["loss"]))
+    dots = dot_dtypes.stablehlo_dots(text)
+    operands = {d.dtypes[:2] for d in dots}
+    assert operands == ({(BF16, BF16)} if build is compute else {(F32, F32)}), operands
+  # The same products of the same bfloat16 values, accumulated in float32 in both: only the summation
+  # order (a library's against XLA's) differs.
+  assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+def test_a_stage_trains_with_the_programs_its_check_compiled_and_ran(monkeypatch):
+  run = tiny_run(model=tiny_model(dtype=BF16),
+                 trainer=configs.TrainerConfig(num_steps=2, log_every=1, eval_every=0, progress_bar=False))
+  checked = []
+
+  def spy(compile_program, args):
+    checked.append(compiled_if_runs(compile_program, args))
+    return checked[-1]
+
+  compiled_if_runs = dot_support.compiled_if_runs
+  monkeypatch.setattr(dot_support, "compiled_if_runs", spy)
+  stage = StageController(run, schedule_for(run), load_data(run), jax.devices()[:1]).stage(1)
+  if None in checked:  # a CPU that cannot run the bfloat16 form: the stage is built with float32 operands
+    assert stage.build.model_config.matmul_operands == "float32" and stage.build.checked is None
+  else:  # the checked train and eval programs are the stage's: nothing is compiled twice
+    assert len(checked) == 2 and (stage.train_step, stage.eval_step) == tuple(checked)
+
+
+def test_bfloat16_operands_asked_for_but_not_runnable_are_refused_before_training(monkeypatch):
+  with pytest.raises(ConfigError, match="ModelConfig.matmul_operands") as e:
+    _compute_and_widened_builds(monkeypatch, matmul_operands="compute")
+  assert "'auto'" in e.value.fix and "'float32'" in e.value.fix
+
+
+# Run in a fresh process per XLA flag setting (XLA reads its flags once): a train step and an eval of the
+# bfloat16 model at widths and head dimensions libraries do not favour, odd batches included.
+PROPERTY = r'''
+import os, sys
+sys.path.insert(0, {tests!r})
+import jax
+jax.config.update("jax_compilation_cache_dir", os.environ["MIDAS_JAX_CACHE_DIR"])  # the session's: a build's
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # checked programs are not compiled twice
+from hypothesis import example, given, settings, strategies as st
+from conftest import tiny_model, tiny_run
+from midas_jax import configs
+from midas_jax.train.build import build_stage
+
+@settings(max_examples=1, deadline=None, derandomize=True)
+@given(head_dim=st.sampled_from([12, 20, 24, 16]), heads=st.sampled_from([1, 2, 3, 4]),
+       rows=st.sampled_from([1, 3, 5]), seq_len=st.sampled_from([24, 40]), family=st.sampled_from(["llama", "gpt2"]))
+@example(head_dim=12, heads=4, rows=3, seq_len=24, family="llama")   # d_model 48
+@example(head_dim=20, heads=4, rows=5, seq_len=24, family="llama")   # d_model 80
+@example(head_dim=24, heads=4, rows=3, seq_len=40, family="gpt2")    # d_model 96
+def check(head_dim, heads, rows, seq_len, family):
+  model = tiny_model(family=family, d_model=head_dim * heads, num_heads=heads, num_kv_heads=None, d_ff=64,
+                     dtype="bfloat16")
+  run = tiny_run(model=model, data=configs.DataConfig(seq_len=seq_len, batch_size=rows))
+  build = build_stage(run, devices=jax.devices()[:1])
+  with build.context():
+    state, metrics = build.jit_train_step()(build.init_state(), build.device_batch(0))
+    losses = [float(metrics["loss"]), build.evaluate(build.jit_eval_step(), state.params)["loss"]]
+  assert all(loss == loss and 0 < loss < 20 for loss in losses), losses
+  print("ok", family, head_dim * heads, heads, rows, seq_len, build.model_config.matmul_operands, flush=True)
+
+check()
+'''
+
+
+@pytest.mark.parametrize("xla_flags", ["", "--xla_cpu_use_onednn=false"])
+def test_the_bfloat16_step_runs_at_any_width_and_head_dimension(xla_flags, tmp_path):
+  env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", PROPERTY.format(tests=os.path.dirname(__file__))], env=env,
+                        capture_output=True, text=True, timeout=900, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  assert proc.stdout.count("ok ") >= 4, proc.stdout  # the three examples and a drawn case
+
+
+def test_a_suite_the_cpu_cannot_run_in_bfloat16_runs_again_with_float32_operands(monkeypatch, tmp_path):
+  import types  # pylint: disable=import-outside-toplevel
+  from midas_jax.checkpoint import LoadedModel  # pylint: disable=import-outside-toplevel
+  from midas_jax.evals import suites  # pylint: disable=import-outside-toplevel
+  seen = []
+
+  def run_suite(model, workdir, out_dir, options):
+    seen.append(model.model_config.matmul_operands)
+    if model.model_config.matmul_operands != "float32":
+      raise jax.errors.JaxRuntimeError("UNIMPLEMENTED: Unsupported element type for DotThunk::Execute: "
+                                       "BF16 x BF16 = F32")
+    return {"ran_with": model.model_config.matmul_operands}
+
+  monkeypatch.setitem(suites.SUITES, "fake", types.SimpleNamespace(run_suite=run_suite))
+  model = LoadedModel(params={}, model_config=tiny_model(dtype=BF16).with_vocab(300), config=tiny_run(), step=3,
+                      stage=1, metadata={})
+  record = suites.run("fake", model, str(tmp_path), {})
+  assert seen == ["auto", "float32"] and record["results"] == {"ran_with": "float32"}
+  seen.clear()  # a float32 model, or any other failure, is not retried
+  with pytest.raises(jax.errors.JaxRuntimeError):
+    suites.run("fake", dataclasses.replace(model, model_config=tiny_model(dtype=F32).with_vocab(300)),
+               str(tmp_path), {})
+  assert seen == ["auto"]

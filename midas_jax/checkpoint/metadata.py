@@ -21,8 +21,8 @@ FORMAT_VERSION = 1
 # How a step is computed (attention kernel, gradient accumulation, loss chunks) is among them.
 OPERATIONAL = ("mesh.", "trainer.log_every", "trainer.eval_every", "trainer.eval_batches",
                "trainer.progress_bar", "trainer.peak_flops_per_device", "trainer.profile_steps",
-               "trainer.microbatches", "trainer.loss_chunk", "model.attention", "data.prefetch", "data.read_threads",
-               "checkpoint.")
+               "trainer.microbatches", "trainer.loss_chunk", "model.attention", "model.matmul_operands",
+               "data.prefetch", "data.read_threads", "checkpoint.")
 
 _PACKAGES = ("midas_jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
 

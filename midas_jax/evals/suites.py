@@ -10,6 +10,7 @@ by name turns the reason into an error.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import ModuleType
 from typing import Any, Dict, List, Mapping, Optional
@@ -19,6 +20,7 @@ from midas_jax.errors import ConfigError
 from midas_jax.evals import (delta_l, embeddings, finetune, likelihood, looped_primitives, memorization,
                              primitives, similarity)
 from midas_jax.evals.options import effective_options
+from midas_jax.model import dot_support
 
 SUITES: Dict[str, ModuleType] = {
     "primitives": primitives,
@@ -71,7 +73,11 @@ def run(name: str, model, workdir: str, options: Mapping[str, Any], out_dir: Opt
     raise ConfigError("--suite", f"suite {name!r} does not apply to this checkpoint: {reason}",
                       "pick another suite, or pass the option it names")
   start = time.time()
-  results = SUITES[name].run_suite(model, workdir, out_dir, options)
+  # A CPU that cannot run the model's bfloat16 matmuls in some program of the suite: again with
+  # float32 operands (model/dot_support.py); the suite's inputs are only read, so a retry is safe.
+  results = dot_support.retry_widened(
+      lambda cfg: SUITES[name].run_suite(dataclasses.replace(model, model_config=cfg), workdir, out_dir, options),
+      model.model_config)
   record = {"suite": name, "step": model.step, "stage": model.stage, "depth": model.model_config.num_layers,
             "options": effective_options(options), "seconds": round(time.time() - start, 1),
             "results": results}

@@ -123,23 +123,25 @@ def resolve(implementation: str, platform: Optional[str] = None) -> str:
   return "dot_product" if (platform or jax.default_backend()) == "cpu" else "flash"
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, implementation: str) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, implementation: str,
+           operands=None) -> jax.Array:
   """Scaled dot-product attention under `mask`; k and v may have fewer heads than q (grouped-query attention).
 
   q [batch, queries, heads, head_dim]; k, v [batch, keys, kv_heads, head_dim]. implementation:
   "dot_product" or "flash" ("auto" is resolved by the Decoder, for its platform). The fused kernels
   are for self-attention over one sequence; a decoding step (a few queries over a cache of keys,
   described apart) is attended densely whatever the implementation: its scores are one row per query.
+  operands: what the dense path's matmuls multiply (model/matmul.py; None: q's dtype).
   """
   if implementation == "dot_product" or (implementation == "flash" and not mask.is_self_attention):
-    return dense_attention(q, k, v, mask)
+    return dense_attention(q, k, v, mask, operands)
   if implementation == "flash":
     return _sharded_flash(q, k, v, mask)
   raise ConfigError("ModelConfig.attention", f"unknown attention implementation {implementation!r}",
                     "use 'auto', 'dot_product' or 'flash' ('auto' is resolved by model.Decoder)")
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask) -> jax.Array:
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, operands=None) -> jax.Array:
   """Attention through the whole [batch, heads, queries, keys] score matrix (XLA fuses what it can).
 
   The scores are a float32 result of compute-dtype operands, the softmax runs in float32 and the
@@ -152,9 +154,9 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMas
   scale = jnp.float32(1.0 / math.sqrt(head_dim))
 
   def one_group(q_group):  # the query heads that share the kv heads' index: [b, t, kv, d]
-    scores = dot_to_float32("btnd,bsnd->bnts", q_group, k, dtype, name=ATTENTION) * scale
+    scores = dot_to_float32("btnd,bsnd->bnts", q_group, k, dtype, name=ATTENTION, operands=operands) * scale
     probs = jax.nn.softmax(jnp.where(visible, scores, jnp.float32(MASKED_SCORE)), axis=-1).astype(dtype)
-    return dot("bnts,bsnd->btnd", probs, v, dtype, name=ATTENTION)
+    return dot("bnts,bsnd->btnd", probs, v, dtype, name=ATTENTION, operands=operands)
 
   grouped = q.reshape(batch, queries, kv_heads, heads // kv_heads, head_dim)
   return jax.vmap(one_group, in_axes=3, out_axes=3)(grouped).reshape(batch, queries, heads, head_dim)

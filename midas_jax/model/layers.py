@@ -24,6 +24,12 @@ def dtype_of(name: str):
   return jnp.dtype(name)
 
 
+def operand_dtype(cfg: ModelConfig):
+  """What the matmuls multiply: the compute dtype, or float32 operands (ModelConfig.matmul_operands;
+  model/dot_support.py says when)."""
+  return jnp.float32 if cfg.matmul_operands == "float32" else dtype_of(cfg.dtype)
+
+
 def weight_init(cfg: ModelConfig, fan_in: int, residual: bool = False):
   """The initializer of one weight matrix or embedding table (see ModelConfig.init)."""
   if cfg.init == "gamma":
@@ -86,12 +92,15 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x, positions, mask, cache=None):
     cfg = self.cfg
-    dtype = dtype_of(cfg.dtype)
+    dtype, ops = dtype_of(cfg.dtype), operand_dtype(cfg)
     d, h, kv, hd = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
     in_init = weight_init(cfg, fan_in=d)
-    q = dot("btd,dhk->bthk", x, param(self, "query", in_init, (d, h, hd), ("embed", "heads", "kv"), cfg), dtype)
-    k = dot("btd,dhk->bthk", x, param(self, "key", in_init, (d, kv, hd), ("embed", "heads", "kv"), cfg), dtype)
-    v = dot("btd,dhk->bthk", x, param(self, "value", in_init, (d, kv, hd), ("embed", "heads", "kv"), cfg), dtype)
+    q = dot("btd,dhk->bthk", x, param(self, "query", in_init, (d, h, hd), ("embed", "heads", "kv"), cfg), dtype,
+            operands=ops)
+    k = dot("btd,dhk->bthk", x, param(self, "key", in_init, (d, kv, hd), ("embed", "heads", "kv"), cfg), dtype,
+            operands=ops)
+    v = dot("btd,dhk->bthk", x, param(self, "value", in_init, (d, kv, hd), ("embed", "heads", "kv"), cfg), dtype,
+            operands=ops)
     if cfg.family == "gpt2" or cfg.qkv_bias:
       zeros = nn.initializers.zeros
       q = q + param(self, "query_bias", zeros, (h, hd), ("heads", "kv"), cfg).astype(dtype)
@@ -103,10 +112,10 @@ class Attention(nn.Module):
     if cache is not None:
       k, v, cache = cache.append(k, v)
     # Initializing only needs the parameters' shapes, and XLA drops the unused output: no kernel.
-    out = attn_lib.attend(q, k, v, mask, "dot_product" if self.is_initializing() else cfg.attention)
+    out = attn_lib.attend(q, k, v, mask, "dot_product" if self.is_initializing() else cfg.attention, operands=ops)
     out_kernel = param(self, "out", weight_init(cfg, fan_in=h * hd, residual=True), (h, hd, d),
                        ("heads", "kv", "embed"), cfg)
-    y = dot("bthk,hkd->btd", out, out_kernel, dtype)
+    y = dot("bthk,hkd->btd", out, out_kernel, dtype, operands=ops)
     if cfg.family == "gpt2":
       y = y + param(self, "out_bias", nn.initializers.zeros, (d,), ("embed",), cfg).astype(dtype)
     return y if cache is None else (y, cache)
@@ -120,20 +129,21 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x):
     cfg = self.cfg
-    dtype = dtype_of(cfg.dtype)
+    dtype, ops = dtype_of(cfg.dtype), operand_dtype(cfg)
     d, f = cfg.d_model, cfg.d_ff
     in_init = weight_init(cfg, fan_in=d)
     out_init = weight_init(cfg, fan_in=f, residual=True)
     if cfg.family == "llama":
-      gate = dot("btd,df->btf", x, param(self, "gate", in_init, (d, f), ("embed", "mlp"), cfg), dtype)
-      up = dot("btd,df->btf", x, param(self, "up", in_init, (d, f), ("embed", "mlp"), cfg), dtype)
+      gate = dot("btd,df->btf", x, param(self, "gate", in_init, (d, f), ("embed", "mlp"), cfg), dtype, operands=ops)
+      up = dot("btd,df->btf", x, param(self, "up", in_init, (d, f), ("embed", "mlp"), cfg), dtype, operands=ops)
       hidden = nn.silu(gate) * up
-      return dot("btf,fd->btd", hidden, param(self, "down", out_init, (f, d), ("mlp", "embed"), cfg), dtype)
+      return dot("btf,fd->btd", hidden, param(self, "down", out_init, (f, d), ("mlp", "embed"), cfg), dtype,
+                 operands=ops)
     zeros = nn.initializers.zeros
-    hidden = dot("btd,df->btf", x, param(self, "fc", in_init, (d, f), ("embed", "mlp"), cfg), dtype)
+    hidden = dot("btd,df->btf", x, param(self, "fc", in_init, (d, f), ("embed", "mlp"), cfg), dtype, operands=ops)
     hidden = nn.gelu(hidden + param(self, "fc_bias", zeros, (f,), ("mlp",), cfg).astype(dtype),
                      approximate=True)
-    y = dot("btf,fd->btd", hidden, param(self, "proj", out_init, (f, d), ("mlp", "embed"), cfg), dtype)
+    y = dot("btf,fd->btd", hidden, param(self, "proj", out_init, (f, d), ("mlp", "embed"), cfg), dtype, operands=ops)
     return y + param(self, "proj_bias", zeros, (d,), ("embed",), cfg).astype(dtype)
 
 

@@ -21,6 +21,9 @@ A custom VJP hides its matmuls from the remat policies that look for dot_general
 named (checkpoint_name) and the policies of model/transformer.py save names where they save dots.
 
 In float32 both are the plain float32 einsum, JAX's own gradient and all: unchanged, bit for bit.
+Where a backend cannot run compute-dtype matmuls (model/dot_support.py decides, per
+ModelConfig.matmul_operands), `operands=float32` multiplies the same values as float32 operands:
+the same products and float32 accumulation, the result rounded as before, at float32 speed.
 """
 
 from __future__ import annotations
@@ -38,45 +41,54 @@ PROJECTION = "projection"
 ATTENTION = "attention"
 
 
-def dot(equation: str, x: jax.Array, w: jax.Array, dtype, name: str = PROJECTION) -> jax.Array:
-  """einsum of x and w in `dtype`, accumulated in float32, its result rounded to `dtype`."""
-  return _einsum(equation, x, w, jnp.dtype(dtype), jnp.dtype(dtype), name)
+def dot(equation: str, x: jax.Array, w: jax.Array, dtype, name: str = PROJECTION, operands=None) -> jax.Array:
+  """einsum of x and w in `dtype`, accumulated in float32, its result rounded to `dtype`.
+
+  operands: the dtype the operands are multiplied in (None: `dtype`; float32 where the backend
+  cannot multiply `dtype`, model/dot_support.py)."""
+  return _einsum(equation, x, w, jnp.dtype(dtype), jnp.dtype(dtype), name, operands)
 
 
-def dot_to_float32(equation: str, x: jax.Array, w: jax.Array, dtype, name: str = PROJECTION) -> jax.Array:
-  """einsum of x and w in `dtype` with a float32 result."""
-  return _einsum(equation, x, w, jnp.dtype(dtype), jnp.dtype(jnp.float32), name)
+def dot_to_float32(equation: str, x: jax.Array, w: jax.Array, dtype, name: str = PROJECTION,
+                   operands=None) -> jax.Array:
+  """einsum of x and w in `dtype` with a float32 result; operands as for `dot`."""
+  return _einsum(equation, x, w, jnp.dtype(dtype), jnp.dtype(jnp.float32), name, operands)
 
 
-def _einsum(equation, x, w, dtype, result_dtype, name):
+def _einsum(equation, x, w, dtype, result_dtype, name, operands):
   if dtype == jnp.float32:
     return jnp.einsum(equation, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
-  return checkpoint_name(_mixed(equation, dtype, result_dtype, (x.dtype, w.dtype), x, w), name)
+  wide = operands is not None and jnp.dtype(operands) == jnp.float32
+  return checkpoint_name(_mixed(equation, dtype, result_dtype, (x.dtype, w.dtype), wide, x, w), name)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _mixed(equation, dtype, result_dtype, input_dtypes, x, w):
-  return _mixed_forward(equation, dtype, result_dtype, input_dtypes, x, w)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _mixed(equation, dtype, result_dtype, input_dtypes, wide, x, w):
+  return _mixed_forward(equation, dtype, result_dtype, input_dtypes, wide, x, w)[0]
 
 
-def _mixed_forward(equation, dtype, result_dtype, input_dtypes, x, w):
+def _mixed_forward(equation, dtype, result_dtype, input_dtypes, wide, x, w):
   del input_dtypes  # the backward pass's
   x, w = x.astype(dtype), w.astype(dtype)
-  return _accumulate(equation, x, w, result_dtype), (x, w)
+  return _accumulate(equation, x, w, result_dtype, wide), (x, w)
 
 
-def _mixed_backward(equation, dtype, result_dtype, input_dtypes, operands, cotangent):
+def _mixed_backward(equation, dtype, result_dtype, input_dtypes, wide, operands, cotangent):
   del result_dtype
   x, w = operands
   x_from, w_from = _gradient_equations(equation)
   g = cotangent.astype(dtype)
-  return (_accumulate(x_from, g, w, input_dtypes[0]), _accumulate(w_from, x, g, input_dtypes[1]))
+  return (_accumulate(x_from, g, w, input_dtypes[0], wide), _accumulate(w_from, x, g, input_dtypes[1], wide))
 
 
 _mixed.defvjp(_mixed_forward, _mixed_backward)
 
 
-def _accumulate(equation, a, b, result_dtype):
+def _accumulate(equation, a, b, result_dtype, wide: bool):
+  """einsum with float32 accumulation; `wide` multiplies the (compute-dtype) values as float32
+  operands, which gives the same products on a backend that cannot multiply the compute dtype."""
+  if wide:
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
   return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32).astype(result_dtype)
 
 

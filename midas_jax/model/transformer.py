@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from midas_jax.configs import ModelConfig
 from midas_jax.model import attention, layer_order, matmul
 from midas_jax.model.attention import describe_mask
-from midas_jax.model.layers import Block, Norm, dtype_of, param, weight_init
+from midas_jax.model.layers import Block, Norm, dtype_of, operand_dtype, param, weight_init
 
 _policies, _names = jax.checkpoint_policies, jax.checkpoint_policies.save_only_these_names
 # A mixed-precision matmul is a custom VJP the dot policies cannot see into; its result is named
@@ -96,10 +96,11 @@ class Decoder(nn.Module):
 
   def head_logits(self, x: jax.Array) -> jax.Array:
     """Normed features [batch, length, d_model] -> float32 logits: the head alone, so a loss can apply it chunk by chunk."""
+    operands = operand_dtype(self.layer_cfg)
     if self.cfg.tie_embeddings:
-      out = matmul.dot_to_float32("btd,vd->btv", x, self.embedding, x.dtype)
+      out = matmul.dot_to_float32("btd,vd->btv", x, self.embedding, x.dtype, operands=operands)
     else:
-      out = matmul.dot_to_float32("btd,dv->btv", x, self.head, x.dtype)
+      out = matmul.dot_to_float32("btd,dv->btv", x, self.head, x.dtype, operands=operands)
     return nn.with_logical_constraint(out, ("batch", "length", "vocab"))
 
   def __call__(self, batch: Mapping[str, jax.Array]) -> jax.Array:

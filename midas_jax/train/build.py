@@ -23,7 +23,7 @@ from midas_jax import sharding
 from midas_jax.configs import ModelConfig, RunConfig
 from midas_jax.data.factory import AnyPipeline, load_data
 from midas_jax.data.vocab import Vocabulary
-from midas_jax.model import Decoder
+from midas_jax.model import Decoder, dot_support, dummy_batch
 from midas_jax.train import step as step_lib
 from midas_jax.train_state import StateLayout, TrainState, create_train_state, state_layout
 
@@ -31,7 +31,8 @@ from midas_jax.train_state import StateLayout, TrainState, create_train_state, s
 @dataclasses.dataclass
 class StageBuild:
   """Everything one stage trains with. model_config: config.model with the vocabulary's size and
-  this stage's depth, as the user wrote it otherwise (the Decoder resolves attention='auto')."""
+  this stage's depth, as the user wrote it otherwise (the Decoder resolves attention='auto'), except
+  matmul_operands = "float32" where the CPU cannot run the steps' bfloat16 matmuls (build_stage)."""
 
   config: RunConfig
   model_config: ModelConfig
@@ -43,6 +44,9 @@ class StageBuild:
   tx: optax.GradientTransformation
   lr_schedule: optax.Schedule
   layout: StateLayout
+  # (train step, eval step) as compiled and run by build_stage's check, for the stage to use rather
+  # than compile them again; None where no check ran.
+  checked: Optional[Tuple[Any, Any]] = None
 
   @contextlib.contextmanager
   def context(self):
@@ -75,6 +79,28 @@ class StageBuild:
     return jax.jit(step_lib.make_eval_step(self.model, self.config.trainer.loss_chunk),
                    in_shardings=(self.layout.shardings.params, sharding.batch_sharding(self.mesh)),
                    out_shardings=sharding.replicated(self.mesh))
+
+  def abstract_args(self) -> Tuple[TrainState, Dict[str, jax.ShapeDtypeStruct]]:
+    """Shapes and shardings of (state, global batch): enough to compile the train step."""
+    layout = self.layout
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         layout.abstract, layout.shardings)
+    rows, where = self.config.data.batch_size, sharding.batch_sharding(self.mesh)
+    shapes = (self.pipeline.batch(0, "train", 0, 1) if self.pipeline is not None
+              else jax.eval_shape(lambda: dummy_batch(rows, self.config.data.seq_len)))
+    batch = {k: jax.ShapeDtypeStruct((rows,) + v.shape[1:], v.dtype, sharding=where) for k, v in shapes.items()}
+    return state, batch
+
+  def checked_steps(self) -> Optional[Tuple[Any, Any]]:
+    """The train and eval steps compiled and run once on zeros (model/dot_support.py), or None when
+    the backend cannot run one of them. Only asked where ModelConfig.matmul_operands needs it."""
+    state, batch = self.abstract_args()
+    with self.context():
+      train = dot_support.compiled_if_runs(lambda: self.jit_train_step().lower(state, batch).compile(),
+                                           (state, batch))
+      evaluate = train and dot_support.compiled_if_runs(
+          lambda: self.jit_eval_step().lower(state.params, batch).compile(), (state.params, batch))
+    return (train, evaluate) if evaluate else None
 
   def host_batch(self, step: int, split: str = "train") -> Dict[str, np.ndarray]:
     """This process's rows of the global batch at `step`."""
@@ -135,6 +161,15 @@ def build_stage(config: RunConfig, devices=None, data: Optional[Tuple[Vocabulary
   model_config = model_config or config.model.with_vocab(vocab.vocab_size)
   if num_layers is not None:
     model_config = dataclasses.replace(model_config, num_layers=num_layers)
-  model, tx, schedule, rules, layout = model_and_layout(config, mesh, model_config, growth_steps=growth_steps)
-  return StageBuild(config=config, model_config=model_config, vocab=vocab, pipeline=pipeline, mesh=mesh,
-                    rules=rules, model=model, tx=tx, lr_schedule=schedule, layout=layout)
+
+  def assemble(model_config: ModelConfig) -> StageBuild:
+    model, tx, schedule, rules, layout = model_and_layout(config, mesh, model_config, growth_steps=growth_steps)
+    return StageBuild(config=config, model_config=model_config, vocab=vocab, pipeline=pipeline, mesh=mesh,
+                      rules=rules, model=model, tx=tx, lr_schedule=schedule, layout=layout)
+
+  build = assemble(model_config)
+  if dot_support.needs_check(model_config, build.model.platform):
+    build.checked = build.checked_steps()
+    if build.checked is None:
+      build = assemble(dot_support.widened(model_config))  # the same products, as float32 operands
+  return build
