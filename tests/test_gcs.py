@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -23,7 +24,8 @@ import pytest
 from conftest import REPO_ROOT
 from midas_jax import cli, fs
 from midas_jax.checkpoint import available_steps, load_model
-from midas_jax.train.goodput import KEYS
+from midas_jax.train import run as train_run
+from midas_jax.train.goodput import KEYS, Goodput
 from midas_jax.train.metrics import read_metrics
 import test_kill_resume as kill_resume
 from test_metrics import read_tb_scalars
@@ -39,7 +41,9 @@ BOUNDARY, NUM_STEPS = 4, 12
 
 @pytest.fixture(scope="module")
 def runs(gcs, tmp_path_factory):
-  """(bucket, reference URL, resumed URL, the subprocesses' cwd and TMPDIR) after both runs ended."""
+  """(bucket, reference URL, resumed URL, the subprocesses' cwd and TMPDIR, the reference's clock) after both
+  runs ended. The clock, read beside the reference run's own: perf_counter as its Goodput starts (before the
+  restore, here the init) and at each take()."""
   bucket = gcs.new_bucket()
   root = tmp_path_factory.mktemp("gcs")
   gin_file = root / "run.gin"
@@ -51,7 +55,20 @@ def runs(gcs, tmp_path_factory):
              XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONUNBUFFERED="1")
   reference, resumed = f"{bucket}/reference", f"{bucket}/resumed"
   args = ["train", f"--gin_file={gin_file}"]
-  assert cli.main(args + [f"--workdir={reference}", "--profile=2:4"]) == 0  # in this process: no start-up
+  clock = {"takes": []}
+
+  class Watched(Goodput):
+    def __init__(self):
+      super().__init__()
+      clock["takes"].append(time.perf_counter())
+
+    def take(self):
+      clock["takes"].append(time.perf_counter())
+      return super().take()
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(train_run, "Goodput", Watched)
+    assert cli.main(args + [f"--workdir={reference}", "--profile=2:4"]) == 0  # in this process: no start-up
 
   cmd = [sys.executable, "-m", "midas_jax", *args, f"--workdir={resumed}"]
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
@@ -66,7 +83,7 @@ def runs(gcs, tmp_path_factory):
   with contextlib.redirect_stdout(io.StringIO()) as out:  # the same command, here: no second start-up
     assert cli.main(args + [f"--workdir={resumed}"]) == 0
   assert "resuming from the checkpoint of step" in out.getvalue()
-  return bucket, reference, resumed, cwd, tmp
+  return bucket, reference, resumed, cwd, tmp, clock
 
 
 def test_path_layer_on_gcs(gcs):
@@ -96,7 +113,7 @@ def test_path_layer_on_gcs(gcs):
 
 
 def test_sigkill_and_resume_on_gcs_end_bitwise_equal(runs):
-  _, reference, resumed, _, _ = runs
+  _, reference, resumed, _, _, _ = runs
   ours, theirs = load_model(resumed), load_model(reference)
   assert ours.step == theirs.step == NUM_STEPS and ours.stage == 2
   for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(ours.params),
@@ -108,7 +125,7 @@ def test_sigkill_and_resume_on_gcs_end_bitwise_equal(runs):
 
 
 def test_tensorboard_on_gcs_shows_each_step_once_after_the_resume(runs):
-  _, _, resumed, _, _ = runs
+  _, _, resumed, _, _, _ = runs
   with fs.local_tree(fs.join(resumed, "tensorboard")) as local:
     loss = read_tb_scalars(os.path.join(local, "train"))["loss"]
   assert [step for step, _ in loss] == list(range(1, NUM_STEPS + 1))  # the killed attempt's redone steps dropped
@@ -117,10 +134,20 @@ def test_tensorboard_on_gcs_shows_each_step_once_after_the_resume(runs):
 
 
 def test_profile_trace_and_goodput_on_gcs(runs):
-  _, reference, _, _, _ = runs
+  _, reference, _, _, _, clock = runs
   assert fs.glob(fs.join(reference, "profile", "plugins", "profile", "*", "*.xplane.pb"))
   train = read_metrics(reference, "train")
   assert all(set(KEYS) <= set(r) for r in train)
+  # Each record's parts add up to the wall time since the previous record (the first: since the run's start,
+  # its restore or init included), timed here by a clock read beside the run's own: within 50 ms, as another
+  # thread may take the GIL between the two reads (over the run the gaps cancel but for the first and last).
+  takes = clock["takes"]
+  assert len(takes) == len(train) + 1  # the start, then one take() per train record
+  parts = [sum(r[k] for k in KEYS) for r in train]
+  intervals = [end - start for start, end in zip(takes, takes[1:])]
+  for record, part, interval in zip(train, parts, intervals):
+    assert part == pytest.approx(interval, abs=0.05), (record["step"], record)
+  assert sum(parts) == pytest.approx(takes[-1] - takes[0], abs=0.05)
   assert train[0]["time/compile"] > 0 and sum(r["time/step"] for r in train) > 0
   growth = next(r for r in train if r["step"] == BOUNDARY + 1)  # the line after the growth carries it
   assert growth["time/growth"] > 0 and growth["time/compile"] > 0  # the deeper step compiled (or was cached)
@@ -128,7 +155,7 @@ def test_profile_trace_and_goodput_on_gcs(runs):
 
 
 def test_inspect_eval_report_on_gcs(runs, capsys):
-  _, reference, _, _, _ = runs
+  _, reference, _, _, _, _ = runs
   assert cli.main(["inspect", f"--workdir={reference}"]) == 0
   report = json.loads(capsys.readouterr().out)
   assert report["depth"] == 4 and [g["step"] for g in report["growths"]] == [BOUNDARY]
@@ -145,7 +172,7 @@ def test_inspect_eval_report_on_gcs(runs, capsys):
 
 def test_export_hf_to_gcs_and_import_back(runs):
   pytest.importorskip("transformers", reason="install the convert extra: pip install -e .[convert]")
-  bucket, reference, _, _, _ = runs
+  bucket, reference, _, _, _, _ = runs
   hf_dir, imported = f"{bucket}/hf", f"{bucket}/imported"
   assert cli.main(["export", f"--workdir={reference}", "--format=hf", f"--out={hf_dir}"]) == 0
   assert {"config.json", "model.safetensors", "midas_jax.json"} <= set(fs.listdir(hf_dir))
@@ -157,7 +184,7 @@ def test_export_hf_to_gcs_and_import_back(runs):
 
 
 def test_no_gs_directory_on_the_local_disk(runs):
-  _, _, _, cwd, tmp = runs
+  _, _, _, cwd, tmp, _ = runs
   for root in (cwd, tmp, REPO_ROOT, os.getcwd()):
     for directory, subdirs, _ in os.walk(root):
       subdirs[:] = [d for d in subdirs if d not in (".git", ".venv", "node_modules")]

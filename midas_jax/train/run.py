@@ -113,6 +113,8 @@ class TrainingRun:
     self.checkpointer = self._open.enter_context(contextlib.closing(
         checkpointer or OrbaxCheckpointer(self.workdir, config.checkpoint)))
     self.resolved = metadata_lib.config_to_dict(dataclasses.replace(config, model=self.controller.model_config))
+    # From here the run's wall time is accounted for: the restore (or a fresh start's init) first.
+    self.goodput = Goodput()
     restore_start = time.perf_counter()
     begin = resume.start(self.controller, self.checkpointer, self.resolved, allow_config_changes)
     restore_seconds = time.perf_counter() - restore_start
@@ -125,13 +127,13 @@ class TrainingRun:
     self.batches = self._open.enter_context(contextlib.closing(
         Prefetcher(self.stage.build.host_batch, self.start_step, trainer.num_steps, data.prefetch)))
     # A restart redoes the steps after its checkpoint (or all of them): their records are dropped.
-    writer = MetricWriter(self.workdir, resume_step=self.start_step) if self.primary else NullWriter()
+    with self.goodput.timing("logging"):  # a resume rebuilds the events of the records it keeps
+      writer = MetricWriter(self.workdir, resume_step=self.start_step) if self.primary else NullWriter()
     self.writer = self._open.enter_context(contextlib.closing(writer))
     self.progress = self._open.enter_context(contextlib.closing(Progress(
         trainer.num_steps, initial_step=self.start_step, enabled=bar_wanted(trainer.progress_bar) and self.primary)))
     self.profiler = self._open.enter_context(contextlib.closing(
         StepProfiler(self.workdir, trainer.profile_steps, self.start_step)))
-    self.goodput = Goodput()
     self.goodput.add("checkpoint" if self.start_step else "compile", restore_seconds)  # a fresh start compiles its init
     self.window = _Window(self.start_step)
     self.last_loss, self.eval_loss, self.eval_seconds = float("nan"), None, 0.0
