@@ -149,6 +149,15 @@ def test_too_few_documents_to_hold_out_and_worker_errors_are_config_errors(tmp_p
   assert (found.setting, found.problem) == ("DataConfig.train_files", "'x.jsonl' line 3 is not JSON (Expecting value)")
 
 
+def test_an_out_path_under_a_file_is_refused_naming_the_flag(tmp_path, capsys):
+  (tmp_path / "afile").write_text("not a directory")
+  args = ["data", "prepare", f"--gin_file={os.path.join(REPO_ROOT, 'gin', 'experiments', 'cpu_demo.gin')}",
+          f"--out={tmp_path / 'afile' / 'store'}"]
+  assert cli.main(args) == 2
+  err = capsys.readouterr().err
+  assert "--out: cannot make the directory" in err and "Not a directory" in err and "Traceback" not in err
+
+
 # --- the in-process twin: sources and resuming ----------------------------------------------------
 
 def test_a_prepare_that_died_is_finished_by_running_it_again(tmp_path):
@@ -336,9 +345,20 @@ def test_a_store_on_gcs_is_written_finished_and_read_like_a_local_one(gcs, tmp_p
   local = text_config(local_files, str(tmp_path / "store"))
   prepare.prepare(local, local.prepared_dir, in_process=True)
   prepare.prepare(remote, remote.prepared_dir, in_process=True)
-  fs.remove(f"{bucket}/store/manifest.json")  # died before the manifest, part 1 unfinished
-  fs.remove(f"{bucket}/store/parts/part-00001.json")
+  # Died writing part 1: no manifest, no part record, its train tokens not yet in place, its other
+  # files stale. Only a redone part gives the tokens back; a manifest rebuilt over what is there cannot.
+  for name in ("manifest.json", "parts/part-00001.json", "train/shard-00001.tokens"):
+    fs.remove(f"{bucket}/store/{name}")
   prepare.prepare(remote, remote.prepared_dir, in_process=True)
+  assert fs.exists(f"{bucket}/store/train/shard-00001.tokens")
+  manifests = [fs.read_json(fs.join(c.prepared_dir, "manifest.json")) for c in (local, remote)]
+  where = ("source", "source_fingerprint", "created")  # the files' paths, their hash, the time
+  assert manifests[1]["source"]["train_files"] == [f"{bucket}/text/*"]
+  assert ({k: v for k, v in manifests[1].items() if k not in where} ==
+          {k: v for k, v in manifests[0].items() if k not in where})  # shard by shard, sha256 too
+  docs = store_documents(remote.prepared_dir)
+  for split, want in store_documents(local.prepared_dir).items():
+    assert_same_documents(docs[split], want)
   here, there = PreparedPipeline(local, VOCAB), PreparedPipeline(remote, VOCAB)
   for step, split in ((0, "train"), (5, "train"), (1, "validation")):
     a, b = here.batch(step, split), there.batch(step, split)

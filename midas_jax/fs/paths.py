@@ -123,6 +123,18 @@ def makedirs(path: PathLike) -> None:
     as_epath(path).mkdir(parents=True, exist_ok=True)
 
 
+def make_output_dir(path: PathLike, setting: str) -> str:
+  """Creates the output directory `path` with its parents, or finds it there; a local path that cannot
+  be a directory (a file on it or on a parent, no permission) is a ConfigError naming `setting`."""
+  text = absolute(path, setting)
+  try:
+    makedirs(text)
+  except (FileExistsError, NotADirectoryError, PermissionError) as e:
+    raise ConfigError(setting, f"cannot make the directory {text} ({e.strerror})",
+                      "choose a path whose parents are directories you can write to") from None
+  return text
+
+
 def listdir(path: PathLike) -> List[str]:
   """Names (not paths) of a directory's entries, sorted."""
   return sorted(p.name for p in as_epath(path).iterdir())

@@ -187,7 +187,7 @@ def prepare(config: DataConfig, out: str, runner: str = "DirectRunner", num_work
   plan = make_plan(config, out, num_shards)
   already = existing_store(plan) is not None
   if not already:
-    fs.makedirs(plan.store)
+    fs.make_output_dir(plan.store, "--out")
     run_in_process(plan) if in_process else run_beam(plan, runner, num_workers, extra)
     finish(plan)
   manifest = store_format.read_manifest(plan.store, "--out")
