@@ -87,9 +87,16 @@ TINY = ["--gin.AnchorStudyConfig.gammas=[0.5]", "--gin.AnchorStudyConfig.depths=
         "--gin.AnchorStudyConfig.eval_every=0", "--gin.AnchorStudyConfig.eval_examples=32"]  # 0: at the end
 
 
-def test_cli_trains_a_stacked_cell_scores_it_and_resumes(tmp_path, repo_root, capsys):
+def test_cli_trains_a_stacked_cell_scores_it_and_resumes(tmp_path, repo_root, capsys, monkeypatch):
   gin_file = os.path.join(repo_root, "gin", "experiments", "anchor_gamma_cpu.gin")
   workdir = tmp_path / "study"
+  calls, real_score = [], anchor_cells.score
+
+  def recording_score(held, seen, sets):  # what the cell's model answered at each evaluation
+    calls.append((np.asarray(held), np.asarray(seen), sets))
+    return real_score(held, seen, sets)
+
+  monkeypatch.setattr(anchor_cells, "score", recording_score)
   assert cli.main(["study", "anchor", f"--gin_file={gin_file}", f"--workdir={workdir}"] + TINY) == 0
   result = json.load(open(workdir / "anchor_study.json"))
   assert [(g["arm"], g["gamma"], g["depth"]) for g in result["grid"]] == [("midas", 0.5, 2)]
@@ -97,17 +104,68 @@ def test_cli_trains_a_stacked_cell_scores_it_and_resumes(tmp_path, repo_root, ca
   # Prop-1 over 20 steps in 2 one-layer stages: 7 then 13 steps; scored at the end of each stage too.
   assert midas["stage_steps"] == [7, 13]
   assert [(t["step"], t["depth"]) for t in midas["trajectory"]] == [(7, 1), (20, 2)]
-  fractions = [midas["inferential"], midas["symmetric"], midas["seen"]]
-  assert all(0.0 <= f <= 1.0 for f in fractions) and midas["inferential"] + midas["symmetric"] <= 1.0
-  assert midas["kind"] in ("inferential", "symmetric", "neither", "unfit")
+  # Every fraction written is the model's answers scored by hand on the 32 held-out and 32 x 15 seen rows.
+  assert len(calls) == 2
+  for (held, seen, sets), point in zip(calls, midas["trajectory"]):
+    composite, symmetric, labels = _known_answers(sets)
+    assert held.shape == (32,) and seen.shape == (32 * 15,)
+    assert (point["inferential"], point["symmetric"], point["seen"]) == (
+        np.mean(held == composite), np.mean(held == symmetric), np.mean(seen == labels))
+  final = {k: midas["trajectory"][-1][k] for k in ("inferential", "symmetric", "seen")}
+  assert {k: midas[k] for k in final} == final  # the cell's fractions are its last evaluation's
+  threshold = result["config"]["fit_threshold"]
+  assert midas["kind"] == ("unfit" if final["seen"] < threshold else "inferential" if final["inferential"] > 0.5
+                           else "symmetric" if final["symmetric"] > 0.5 else "neither")
   assert np.isfinite(midas["final_loss"]) and midas["final_loss"] < midas["trajectory"][0]["loss"]
   assert os.path.getsize(workdir / "phase_diagram.png") > 1000
   assert "AnchorStudyConfig.steps = 20" in open(workdir / "operative_config.gin").read()
   assert "phase diagram:" in capsys.readouterr().out
-  # A re-run with the same settings trains nothing; a changed setting is a different study.
+  # A re-run with the same settings trains nothing (scores no model); a changed setting is a different study.
   assert cli.main(["study", "anchor", f"--gin_file={gin_file}", f"--workdir={workdir}"] + TINY) == 0
-  assert len(open(workdir / "cells.jsonl").read().splitlines()) == 1
+  assert len(calls) == 2 and len(open(workdir / "cells.jsonl").read().splitlines()) == 1
   assert "gamma=" not in capsys.readouterr().out
+
+
+def _known_answers(sets):
+  """Read from the rows' tokens, not from the module: each held-out row's composite (key-10) and symmetric (key-6)
+  answers, and each seen row's label."""
+  held = [parse_row(row) for row in sets.held_out.tokens.tolist()]
+  assert {pair for _, _, pair in held} == {(4, 3)}
+  composite = np.array([MAPS[3](MAPS[4](key)) for key, _, _ in held])
+  symmetric = np.array([expected_label((3, 4), key) for key, _, _ in held])
+  seen = np.array([expected_label(pair, key) for key, _, pair in map(parse_row, sets.seen.tokens.tolist())])
+  return composite, symmetric, seen
+
+
+def test_score_counts_each_answer_and_classify_names_the_solution():
+  sets = anchor_cells.eval_sets(16)  # 16 held-out rows, 16 x 15 seen rows: every fraction below is exact
+  composite, symmetric, labels = _known_answers(sets)
+  rng = np.random.default_rng(0)
+
+  def answers(inferential, symmetric_, right):
+    """Shuffled predictions: so many held-out rows answered key-10, so many key-6, the rest junk (key-9);
+    `right` seen rows answered their label, the rest a wrong token."""
+    held, order = (composite + 1) % 100, rng.permutation(len(composite))
+    held[order[:inferential]] = composite[order[:inferential]]
+    pick = order[inferential:inferential + symmetric_]
+    held[pick] = symmetric[pick]
+    seen, order = (labels + 1) % 100, rng.permutation(len(labels))
+    seen[order[:right]] = labels[order[:right]]
+    return held, seen
+
+  half = anchor_cells.score(*answers(8, 4, 180), sets)
+  assert half == {"inferential": 0.5, "symmetric": 0.25, "seen": 0.75}
+  assert anchor_cells.classify(half, 0.75) == "neither"  # half is not more than half
+  assert anchor_cells.classify(half, 0.8) == "unfit"
+  most = anchor_cells.score(*answers(9, 4, 180), sets)
+  assert most == {"inferential": 0.5625, "symmetric": 0.25, "seen": 0.75}
+  assert anchor_cells.classify(most, 0.75) == "inferential"  # seen at the threshold fits
+  mirror = anchor_cells.score(*answers(2, 9, 240), sets)
+  assert mirror == {"inferential": 0.125, "symmetric": 0.5625, "seen": 1.0}
+  assert anchor_cells.classify(mirror, 0.9) == "symmetric"
+  unfit = anchor_cells.score(*answers(16, 0, 120), sets)
+  assert unfit == {"inferential": 1.0, "symmetric": 0.0, "seen": 0.5}
+  assert anchor_cells.classify(unfit, 0.9) == "unfit"  # a model that did not fit the task is not called inferential
 
 
 def test_stage_plans_of_the_arms():
@@ -143,7 +201,8 @@ def test_the_grid_and_phase_diagram_have_a_row_per_arm_with_seed_means_and_range
 
 
 def test_growing_a_cell_copies_layers_and_their_adam_moments():
-  """MIDAS from 2 one-layer blocks to 3: provenance [0, 0, 1]; every `layers` leaf is gathered, moments too."""
+  """MIDAS from 2 one-layer blocks to 3: provenance [0, 0, 1]; every `layers` leaf is gathered, its Adam mu and nu
+  too, and nothing else changes."""
   import jax  # pylint: disable=import-outside-toplevel
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   from midas_jax.model import Decoder  # pylint: disable=import-outside-toplevel
@@ -151,27 +210,41 @@ def test_growing_a_cell_copies_layers_and_their_adam_moments():
                           optimizer=dataclasses.replace(ANCHOR_OPTIMIZER, warmup_steps=1))
   model = Decoder(anchor_cells.model_config(cfg, 0.5, 2))
   shapes = jax.eval_shape(model.init, jax.random.key(0), anchor_cells.decoder_batch(np.zeros((1, 8), np.int32)))
-  distinct = lambda x: np.arange(x.size, dtype=np.float32).reshape(x.shape) / max(x.size, 1)  # noqa: E731
-  params = jax.tree.map(distinct, nn.unbox(shapes["params"]))  # every entry differs, per layer too
+
+  def distinct(tree):  # every entry of every array leaf differs, across leaves too (a swap of leaves shows)
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten([np.arange(x.size, dtype=np.float32).reshape(x.shape) / x.size + i if x.ndim else x
+                              for i, x in enumerate(leaves)])
+
+  params = distinct(nn.unbox(shapes["params"]))
   tx = anchor_cells.make_optimizer(cfg)
-  opt_state = jax.tree.map(lambda x: distinct(x) + 1 if getattr(x, "ndim", 0) else x, tx.init(params))  # moments
+  opt_state = distinct(tx.init(params))
   grown, grown_opt = anchor_cells.grow(model, tx, params, opt_state, "midas")
-  old, new = jax.tree_util.tree_leaves_with_path(params), dict(jax.tree_util.tree_leaves_with_path(grown))
-  layered = 0
-  for path, leaf in old:
-    if leaf.shape[0] == 2 and "layers" in jax.tree_util.keystr(path):
-      layered += 1
-      np.testing.assert_array_equal(new[path], leaf[np.array([0, 0, 1])])
-    else:
-      np.testing.assert_array_equal(new[path], leaf)  # embeddings, final norm
-  assert layered > 4
-  mu = lambda s: [x for x in jax.tree.leaves(s) if getattr(x, "ndim", 0) >= 2 and x.shape[0] in (2, 3)]  # noqa: E731
-  moments = 0
-  for before, after in zip(mu(opt_state), mu(grown_opt)):
-    if after.shape[0] == 3:
-      moments += 1
-      np.testing.assert_array_equal(after, np.asarray(before)[np.array([0, 0, 1])])
-  assert moments >= 2 * layered - 2  # mu and nu of (nearly) every layered matrix
+  key = lambda path: tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)  # noqa: E731
+  # The parameters of the scanned layer stack: everything under params["layers"], depth first.
+  layered = {key(path) for path, _ in jax.tree_util.tree_leaves_with_path(params) if key(path)[0] == "layers"}
+  assert len(layered) == 16 and all(x.shape[0] == 2 for x in jax.tree.leaves(params["layers"]))
+
+  def changes(before, after):
+    """The paths of the leaves that grew; each must be its old rows [0, 0, 1], every other leaf unchanged."""
+    old, new = jax.tree_util.tree_leaves_with_path(before), jax.tree_util.tree_leaves_with_path(after)
+    assert [key(p) for p, _ in old] == [key(p) for p, _ in new]
+    out = set()
+    for (path, a), (_, b) in zip(old, new):
+      a, b = np.asarray(a), np.asarray(b)
+      if a.shape != b.shape:
+        out.add(key(path))
+        np.testing.assert_array_equal(b, a[np.array([0, 0, 1])], err_msg=jax.tree_util.keystr(path))
+      else:
+        np.testing.assert_array_equal(b, a, err_msg=jax.tree_util.keystr(path))
+    return out
+
+  assert changes(params, grown) == layered
+  # Adam's moments sit in the optimizer state as (..., "mu" or "nu", *parameter path): exactly those of the layers grow.
+  opt_paths = [key(path) for path, _ in jax.tree_util.tree_leaves_with_path(opt_state)]
+  moments = {k for k in opt_paths if any(part in ("mu", "nu") and k[i + 1:] in layered for i, part in enumerate(k))}
+  assert len(moments) == 2 * len(layered)
+  assert changes(opt_state, grown_opt) == moments
 
 
 def test_cli_names_a_bad_setting(tmp_path, repo_root, capsys):

@@ -73,6 +73,33 @@ def test_flash_equals_dense_attention_and_its_gradients_on_packed_ul2_rows():
     np.testing.assert_allclose(g, ref, atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
 
 
+def test_the_kernels_never_visit_a_block_no_query_of_theirs_may_see():
+  """Two examples of 16 tokens each, blocks of 16: the second example's queries may see no key of the
+  first block. Its keys and values are poisoned with NaN: a kernel that visited the block anyway (even
+  to weight it by exactly 0) would carry the NaN into the second example's outputs and gradients, which
+  must equal dense attention's on clean inputs."""
+  positions = jnp.tile(jnp.arange(16, dtype=jnp.int32), 2)[None].repeat(2, 0)
+  segments = jnp.repeat(jnp.array([1, 2], jnp.int32), 16)[None].repeat(2, 0)
+  mask = describe_mask(segments, positions, jnp.zeros((2, 32), bool))
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 32, heads, 8)), jnp.float32) for heads in (4, 2, 2))
+  weights = jnp.asarray(rng.normal(size=(2, 32, 4, 8)), jnp.float32)
+  second = (segments == 2)[:, :, None, None]  # the rows compared; the first example's are NaN by design
+  poisoned = [jnp.where(segments[:, :, None, None] == 1, jnp.nan, x) for x in (k, v)]
+
+  def loss(attend):
+    return lambda q, k, v: jnp.sum(jnp.where(second, attend(q, k, v), 0.0) * weights)
+
+  flash = lambda q, k, v: flash_attention(q, k, v, mask.segment_ids, mask.causal_positions, block=16)
+  out = flash(q, *poisoned)
+  grads = jax.grad(loss(flash), argnums=(0, 1, 2))(q, *poisoned)
+  dense = lambda q, k, v: _dense_attention(q, k, v, mask)
+  ref_out, ref_grads = dense(q, k, v), jax.grad(loss(dense), argnums=(0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(out[:, 16:], ref_out[:, 16:], atol=1e-5, rtol=1e-5)
+  for name, g, ref in zip("qkv", grads, ref_grads):  # dq of the second example; dk, dv of its keys and values
+    np.testing.assert_allclose(g[:, 16:], ref[:, 16:], atol=1e-5, rtol=1e-5, err_msg=f"d{name}")
+
+
 def test_the_gpu_kernels_lower_to_triton():
   """No GPU here: lowering for CUDA checks the Triton side of the shared kernel bodies."""
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)

@@ -56,6 +56,15 @@ def test_bench_train_reports_mfu_against_a_same_run_peak(capsys, tmp_path, no_co
   assert report["mfu"] == pytest.approx(achieved / 1e11, rel=1e-12)
   assert report["compute_peak"] == "bfloat16_f32_accum"  # the demo computes in bf16
   tokens = 8 * 32  # batch x seq_len of TINY_BINDINGS
+  # The model FLOPs by hand, for TINY_BINDINGS on the demo: llama, d_model 32, 2 layers, 2 heads of 16
+  # (num_kv_heads None: k and v span every head), d_ff 64, and a head tied to the embedding of 512 rows
+  # (the byte vocabulary's 3 specials + 256 bytes + 128 extra ids = 387, padded to a multiple of 128).
+  per_token = (6 * 2 * 4 * 32 * 32  # q, k, v, o (32 x 32 each) in 2 layers: 6 FLOPs a weight, 2 forward + 4 backward
+               + 6 * 2 * 3 * 32 * 64  # gate, up, down (32 x 64 each) in 2 layers
+               + 6 * 32 * 512  # the LM head: tied, yet a matmul
+               + 6 * 2 * 2 * (32 // 2) * 2 * 16)  # QK^T and AV in 2 layers, the causal triangle once: 16 keys a query
+  assert per_token == 233_472
+  assert report["model_flops_per_step"] == tokens * per_token == 59_768_832
   assert report["tokens_per_second"] == pytest.approx(tokens / report["step_seconds_median"], rel=1e-12)
   assert achieved == pytest.approx(report["model_flops_per_step"] / report["step_seconds_median"] / 8, rel=1e-12)
   for name in ("float32", "bfloat16_f32_accum", "override"):

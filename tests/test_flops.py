@@ -1,13 +1,18 @@
 """Parameter and FLOP counts from configs, checked against hand arithmetic."""
 
 import dataclasses
+import re
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+from midas_jax.bench.dot_dtypes import stablehlo_dots
 from midas_jax.configs import ModelConfig
 from midas_jax.errors import ConfigError
 from midas_jax.flops import (forward_flops_per_token, layer_applications, matmul_params, param_counts,
                              train_flops_per_token)
+from midas_jax.model import Decoder, dummy_batch
 from midas_jax.stacking import schedule as sched
 
 GPT2_SMALL = ModelConfig(family="gpt2", vocab_size=50257, d_model=768, num_layers=12, num_heads=12,
@@ -109,3 +114,43 @@ def test_a_grown_then_looped_model_counts_the_loop_at_every_depth():
   tokens = 8 * 32
   assert sched.cumulative_flops(looped, 32, tokens, schedule, 4) == tokens * (3 * depth_2 + depth_4)
   assert sched.flop_speedup(looped, 32, schedule) == pytest.approx(8 * depth_4 / (3 * depth_2 + 5 * depth_4))
+
+
+def test_train_flops_match_the_matmuls_of_the_lowered_train_step():
+  """flops.py against every dot_general of a lowered gradient step of a one-layer float32 model.
+
+  One layer: the reader counts a dot inside the scanned stack once, which is then exactly once per
+  step. No remat, so nothing is recomputed: the program's backward is two matmuls per forward one,
+  the 2 + 4 of the 6-per-weight convention. The one difference by convention: dense attention
+  computes the whole T x T score matrix, flops.py counts the causal triangle (T / 2 keys per query).
+  """
+  # d 48, 4 query heads of 12, 2 kv heads, d_ff 80, vocab 256, untied head; no size equals T = 32,
+  # so a matmul with two T-sized dimensions in its operands or result is one of attention's.
+  cfg = ModelConfig(family="llama", vocab_size=256, d_model=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                    d_ff=80, max_seq_len=64, dtype="float32", attention="dot_product", tie_embeddings=False)
+  rows, seq = 2, 32
+  model, batch = Decoder(cfg), dummy_batch(rows, seq)
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(0), batch)
+
+  def loss(p, b):
+    logp = jax.nn.log_softmax(model.apply(p, b))
+    return -jnp.take_along_axis(logp, b["targets"][..., None], axis=-1).mean()
+
+  dots = stablehlo_dots(jax.jit(jax.grad(loss)).lower(params, batch).as_text())
+  assert len(dots) == 3 * (7 + 2 + 1)  # q k v o, gate up down; QK^T, AV; the head: each forward and 2 backward
+  is_attention = lambda d: any(t.split("x").count(str(seq)) >= 2 for t in re.findall(r"tensor<([^>]*)>", d.text))
+  assert sum(map(is_attention, dots)) == 3 * 2
+  attention = sum(d.flops for d in dots if is_attention(d)) / (rows * seq)
+  weights = sum(d.flops for d in dots if not is_attention(d)) / (rows * seq)
+  # Per token, by hand: 6 FLOPs per matmul weight (q 48x48, k and v 48x24, o 48x48; gate, up, down 48x80;
+  # head 48x256) ...
+  n = 2 * 48 * 48 + 2 * 48 * 24 + 3 * 48 * 80 + 48 * 256
+  assert weights == 6 * n == 6 * matmul_params(cfg) == 184_320
+  # ... and QK^T and AV over every one of the 32 keys (the dense square) for 4 heads of 12, x 6 for
+  # the forward and backward: twice flops.py's causal triangle.
+  dense_attention = 6 * 2 * seq * 4 * 12
+  assert attention == dense_attention == 18_432
+  causal = train_flops_per_token(cfg, seq) - 6 * matmul_params(cfg)
+  assert attention == 2 * causal, "the dense score matrix is twice the causal triangle flops.py counts"
+  assert train_flops_per_token(cfg, seq) == weights + attention / 2 == 193_536
+  assert forward_flops_per_token(cfg, seq) == pytest.approx((weights + attention / 2) / 3, rel=1e-12)

@@ -134,7 +134,9 @@ def replay_note(seed) -> str:
 
 
 def test_sigkill_at_five_points_then_resume_is_bitwise_exact(harness, tmp_path):
-  """Three fixed kill points, then two at random times drawn from the session's seed (conftest.py)."""
+  """Three fixed kill points, then two at random times drawn from the session's seed (conftest.py): a fresh
+  seed every session, so every CI run kills at two new points (mid-step, mid-save or mid-growth) and the
+  runs together soak the random kills; a failure prints the seed that replays it."""
   run, reference = harness
   rng = random.Random(KILL_SEED)
   step_seconds = reference_step_seconds(reference)
@@ -165,22 +167,3 @@ def test_sigterm_saves_and_stops_cleanly_and_the_same_command_resumes(harness, t
   signalled, output = run(workdir)
   assert f"resuming from the checkpoint of step {stopped}" in output
   assert_identical_runs(workdir, reference)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("index", range(4))
-def test_sigkill_at_random_times(harness, tmp_path, index):
-  """A soak test (-m slow): five kills at random times per run, four runs (each kill advances the
-  run by at most about four steps, so the last still lands before step 24)."""
-  run, reference = harness
-  seed = KILL_SEED + index
-  rng = random.Random(seed)
-  step_seconds = reference_step_seconds(reference)
-  kills = [random_kill(rng, step_seconds, max_lines=2) for _ in range(5)]
-  note = replay_note(seed)
-  print(f"kills {kills}{note}")
-  kill_and_finish(run, str(tmp_path / "run"), kills, note)
-  try:
-    assert_identical_runs(str(tmp_path / "run"), reference)
-  except AssertionError as e:
-    raise AssertionError(f"{e}\n{note}") from e

@@ -49,8 +49,9 @@ def test_looped_forward_repeats_the_tied_block_and_its_gradient_sums():
 
 
 # Per token of the tiny llama (d 32, 4 heads of 8, 2 kv heads, d_ff 64, vocab 512) at seq 32, by hand:
-# a layer application is 6 * (9216 matmul weights + 2 * 32 * 4 * 8 attention), the head 6 * 32 * 512.
-LAYER_FLOPS, HEAD_FLOPS = 6 * (9216 + 1024), 6 * 32 * 512  # attention: the causal half of 32 x 32
+# a layer application is 6 * (9216 matmul weights + 2 * (32 / 2) * 4 * 8 attention: scores and values over
+# the causal half of the 32 keys, 1024), the head 6 * 32 * 512.
+LAYER_FLOPS, HEAD_FLOPS = 6 * (9216 + 2 * (32 // 2) * 4 * 8), 6 * 32 * 512
 TOKENS_PER_STEP = 8 * 32
 PEAK = 1e11 * 8  # TrainerConfig.peak_flops_per_device over the 8 simulated devices
 

@@ -1,67 +1,63 @@
 """Matmul peak measurement and the known-accelerator table."""
 
-import json
-import os
-import statistics
-import subprocess
-import sys
 import types
 
 import jax
+import numpy as np
 import pytest
 
 from midas_jax import device_peak as peak
 from midas_jax.errors import ConfigError
 
-
-@pytest.mark.parametrize("dtype,accum", [("float32", None), ("bfloat16", "float32")])
-def test_measured_peak_is_plausible(dtype, accum):
-  flops = peak.measure_matmul_peak(dtype, accum, size=256, repeats=3)
-  assert 1e8 < flops < 1e13
+SIZE = 64
+# The timed runs' durations, fed to the probe through its clock: their median (1.0 s) is not their mean.
+DURATIONS = (0.5, 2.0, 0.25, 4.0, 1.0)
 
 
-# Run in a fresh process of 4 devices: the probe's per-device figure, interleaved with the whole
-# process's rate timed here independently (all 4 devices multiplying at once, as the probe does:
-# 4 matmuls' FLOPs over the wall time of the batch).
-PER_DEVICE_SHARE = """
-import json, statistics, time
-import jax, jax.numpy as jnp, numpy as np
-from midas_jax.device_peak import matmul_peak_sampler
+@pytest.fixture
+def probe(monkeypatch):
+  """device_peak with its clock given by DURATIONS, and every call of the functions it compiles recorded
+  as (name, arguments, result)."""
+  reads = [t for i, d in enumerate(DURATIONS) for t in (10.0 * i, 10.0 * i + d)]  # start and end of each run
+  calls, jit = [], jax.jit
 
-devices = jax.local_devices()
-assert len(devices) == 4
-sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devices), ("d",)), jax.sharding.PartitionSpec("d"))
-a = jax.device_put(jnp.ones((4, 256, 256), jnp.float32), sharding)
-batched = jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((2,), (1,)), ((0,), (0,)))), out_shardings=sharding)
-batched(a, a).block_until_ready()
+  def clock():
+    assert reads, "the probe read its clock more than twice per timed run"
+    return reads.pop(0)
 
-def whole_process(repeats):
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    batched(a, a).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return 4 * 2 * 256 ** 3 / statistics.median(times)
+  def spy(fun, **kwargs):
+    compiled = jit(fun, **kwargs)
 
-share = matmul_peak_sampler(size=256)
-print(json.dumps([(share(5), whole_process(5)) for _ in range(9)]))
-"""
+    def call(*args):
+      out = compiled(*args)
+      calls.append((fun.__name__, args, out))
+      return out
+    return call
+
+  monkeypatch.setattr(peak, "time", types.SimpleNamespace(perf_counter=clock))
+  monkeypatch.setattr(peak.jax, "jit", spy)
+  return types.SimpleNamespace(calls=calls, reads=reads)
 
 
-def test_measured_peak_is_a_per_device_share_with_many_devices():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-         "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-  out = subprocess.run([sys.executable, "-c", PER_DEVICE_SHARE], env=env, capture_output=True, text=True,
-                       check=True)
-  pairs = json.loads(out.stdout.strip().splitlines()[-1])
-  ratios = [share * 4 / whole for share, whole in pairs]  # 1 when each device reports a quarter
-  centre = statistics.median(ratios)
-  # Three times the noise this run shows (the median deviation of its rounds), but at least 0.3, the
-  # largest gap seen over 16 runs on 2 cores shared with other work (the rounds of one run do not
-  # see that drift), and at most 0.6: a missing division by the device count gives 4, a doubled
-  # one 0.25.
-  noise = statistics.median(abs(r - centre) for r in ratios)
-  assert abs(centre - 1) <= min(max(3 * noise, 0.3), 0.6), (centre, noise, ratios)
+@pytest.mark.parametrize("dtype,accum,devices", [("float32", None, 1), ("bfloat16", "float32", 4),
+                                                 ("float32", None, None)])
+def test_the_probe_reports_one_devices_matmul_flops_over_the_median_run(probe, dtype, accum, devices):
+  if devices is None:  # every local device (8 here), through the one-shot entry point
+    flops, devices = peak.measure_matmul_peak(dtype, accum, size=SIZE, repeats=len(DURATIONS)), jax.local_device_count()
+  else:
+    flops = peak.matmul_peak_sampler(dtype, accum, size=SIZE, devices=jax.devices()[:devices])(len(DURATIONS))
+  # One SIZE^3 matmul per device (2 FLOPs per multiply-add) over the median run, whatever the device count.
+  assert flops == 2 * SIZE ** 3 / 1.0
+  assert not probe.reads  # each timed run read the clock at its start and end
+  matmuls = [(args, out) for name, args, out in probe.calls if name == "matmul"]
+  assert len(matmuls) == 2 + len(DURATIONS)  # compile, settle, then one per timed run
+  (a, b), out = matmuls[-1]
+  for x in (a, b):  # each device holds one pair of operands: nothing is shared, nothing communicated
+    assert x.shape == (devices, SIZE, SIZE) and x.dtype == np.dtype(dtype)
+    assert len(x.sharding.device_set) == devices and x.sharding.shard_shape(x.shape) == (1, SIZE, SIZE)
+  assert out.dtype == np.dtype(accum or dtype)
+  want = np.einsum("bij,bjk->bik", np.asarray(a, np.float32), np.asarray(b, np.float32))
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind,expected", [

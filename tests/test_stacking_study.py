@@ -2,13 +2,18 @@
 hand-made cells."""
 
 import dataclasses
+import functools
 import json
 import os
 
+import numpy as np
 import pytest
 
 from midas_jax import cli, configs
+from midas_jax.checkpoint import load_model
+from midas_jax.data.factory import load_data
 from midas_jax.errors import ConfigError
+from midas_jax.model import Decoder
 from midas_jax.studies import stacking_study, stacking_study_page
 from midas_jax.stacking.schedule import cumulative_flops, schedule_from_config
 
@@ -26,12 +31,55 @@ TINY = ["--gin.ModelConfig.d_model=32", "--gin.ModelConfig.num_layers=2", "--gin
         "--gin.StackingStudyConfig.arms=['midas']"]
 
 
-def test_the_study_trains_a_stacked_arm_measures_growth_on_its_own_batches_and_scores(tmp_path, repo_root, capsys):
+def _loss_by_hand(workdir, step):
+  """A checkpoint's held-out loss from the Decoder itself: mean token cross-entropy under the loss weights over the
+  first eval_batches validation batches of its own run's data (no StageBuild, eval step or study code)."""
+  ckpt = load_model(str(workdir), step)
+  _, pipeline = load_data(ckpt.config)
+  model, total, weight = Decoder(ckpt.model_config), 0.0, 0.0
+  for i in range(ckpt.config.trainer.eval_batches):
+    batch = pipeline.batch(i, "validation")
+    logits = np.asarray(model.apply({"params": ckpt.params}, batch), np.float64)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    token_loss = lse - np.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+    total += float((token_loss * batch["loss_weights"]).sum())
+    weight += float(batch["loss_weights"].sum())
+  return ckpt.model_config.num_layers, total / weight
+
+
+def test_the_study_trains_a_stacked_arm_measures_growth_on_its_own_batches_scores_and_resumes(tmp_path, repo_root,
+                                                                                              capsys, monkeypatch):
   gin_file = os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")
   argv = ["study", "stacking", f"--gin_file={gin_file}", f"--workdir={tmp_path}"] + TINY
+  argv += ["--gin.StackingStudyConfig.seeds=[1, 2]"]  # overrides TINY's [1]
+  calls, real_train_cell = [], stacking_study.train_cell
+
+  def train_cell(run, study, arm, seed, *args, cut_short=False):
+    calls.append((arm, seed))
+    if cut_short and seed == 2:
+      raise RuntimeError("cut short")
+    return real_train_cell(run, study, arm, seed, *args)
+
+  # The first call dies in its second cell: the finished cell is on disk, the study is not.
+  monkeypatch.setattr(stacking_study, "train_cell", functools.partial(train_cell, cut_short=True))
+  with pytest.raises(RuntimeError, match="cut short"):
+    cli.main(argv)
+  assert calls == [("midas", 1), ("midas", 2)] and not (tmp_path / "study.json").exists()
+  (first,) = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+  assert (first["arm"], first["seed"]) == ("midas", 1)
+  out = capsys.readouterr().out
+  assert "training midas seed 1" in out and "midas seed 1: eval loss" in out
+  # The re-run trains only the missing cell and keeps the finished one as it was.
+  monkeypatch.setattr(stacking_study, "train_cell", train_cell)
+  calls.clear()
   assert cli.main(argv) == 0
+  assert calls == [("midas", 2)]
+  assert "training midas seed 1" not in capsys.readouterr().out
   result = json.loads((tmp_path / "study.json").read_text())
-  (midas,) = result["cells"]
+  midas, second = result["cells"]
+  assert (midas["seed"], second["seed"]) == (1, 2) and second["arm"] == "midas"
+  assert midas == {k: v for k, v in first.items() if k != "settings"}
+  assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 2
   # Prop-1 over 6 steps and 2 stages: (2, 4); the eval at step 2 is the loss just before growth, and
   # the grown checkpoint's loss on the same batches the loss just after it.
   assert (midas["arm"], midas["seed"], midas["steps"]) == ("midas", 1, 6)
@@ -40,22 +88,27 @@ def test_the_study_trains_a_stacked_arm_measures_growth_on_its_own_batches_and_s
   (growth,) = midas["growths"]
   assert (growth["step"], growth["from_depth"], growth["to_depth"]) == (2, 1, 2)
   before = midas["eval_curve"][0]["loss"]
-  assert growth["loss_before"] == before and growth["loss_after"] != before and growth["next_eval_step"] == 4
-  # The loss after growth is measured by held_out_loss; measured so, the final checkpoint gives the
-  # loop's last eval: the same batches (seed 1's, not the gin default's).
+  assert growth["loss_before"] == before and growth["next_eval_step"] == 4
+  # Computed by hand, the final checkpoint's loss is the loop's last eval (so the hand route is the eval's loss),
+  # and the checkpoint at the growth step (the grown 2-layer state) gives the loss after growth.
+  workdir = tmp_path / "midas" / "seed1"
+  assert _loss_by_hand(workdir, 6) == (2, pytest.approx(midas["final_eval_loss"], abs=1e-5))
+  assert _loss_by_hand(workdir, 2) == (2, pytest.approx(growth["loss_after"], abs=1e-5))
+  assert abs(growth["loss_after"] - before) > 1e-3  # growth changed the function, so the check above can tell
+  # held_out_loss reads the same batches: seed 1's, not the gin default's.
   assert midas["final_eval_loss_remeasured"] == pytest.approx(midas["final_eval_loss"], abs=1e-5)
   assert set(midas["primitives"]) == {"assignment_depth0", "copying"}
   fc = midas["primitives"]["copying"]["forced_choice"]
   assert 0 <= fc["ci95"][0] <= fc["value"] <= fc["ci95"][1] <= 1 and fc["chance"] == pytest.approx(1 / 3)
   jump = result["summary"]["growths"]["midas"][0]["jump"]
-  assert jump["values"] == [pytest.approx(growth["loss_after"] - before)]
+  assert jump["values"] == [pytest.approx(g["growths"][0]["loss_after"] - g["eval_curve"][0]["loss"])
+                            for g in (midas, second)]
   page = (tmp_path / "study.md").read_text()
   for needle in ("equal FLOPs", "around each growth: midas", "forced_choice",
                  "![loss_vs_flops](study/loss_vs_flops.png)"):
     assert needle in page
   for name in ("loss_vs_flops", "scores_vs_loss"):
     assert (tmp_path / "study" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
-  assert "training midas seed 1" in capsys.readouterr().out
 
 
 def test_every_arm_is_the_run_config_with_its_own_depth_steps_and_seed(repo_root):
