@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from midas_jax import optimizer as optimizer_lib
-from midas_jax import sharding
+from midas_jax import console, sharding
 from midas_jax.configs import ModelConfig, RunConfig
 from midas_jax.data.factory import AnyPipeline, load_data
 from midas_jax.data.vocab import Vocabulary
@@ -172,4 +172,8 @@ def build_stage(config: RunConfig, devices=None, data: Optional[Tuple[Vocabulary
     build.checked = build.checked_steps()
     if build.checked is None:
       build = assemble(dot_support.widened(model_config))  # the same products, as float32 operands
+      if jax.process_index() == 0:
+        console.say(f"matmul operands: float32 at depth {model_config.num_layers} (this CPU cannot run the "
+                    f"step's {model_config.dtype} x {model_config.dtype} -> float32 matmuls; "
+                    "ModelConfig.matmul_operands, docs/model.md#on-a-cpu-that-cannot-run-them)")
   return build
