@@ -197,9 +197,10 @@ def _compute_and_widened_builds(monkeypatch, matmul_operands="auto"):
   return compute, build_lib.build_stage(run, devices=jax.devices()[:1])
 
 
-def test_a_step_the_cpu_cannot_run_in_bfloat16_is_built_with_float32_operands(monkeypatch):
+def test_a_step_the_cpu_cannot_run_in_bfloat16_is_built_with_float32_operands(monkeypatch, capsys):
   compute, widened = _compute_and_widened_builds(monkeypatch)
   assert (compute.model_config.matmul_operands, widened.model_config.matmul_operands) == ("auto", "float32")
+  assert capsys.readouterr().out.count("matmul operands: float32") == 1  # the widened build says so, once
   losses = []
   for build in (compute, widened):
     with build.context():
