@@ -252,7 +252,7 @@ from conftest import tiny_model, tiny_run
 from midas_jax import configs
 from midas_jax.train.build import build_stage
 
-@settings(max_examples=1, deadline=None, derandomize=True)
+@settings(max_examples=4, deadline=None, derandomize=True)
 @given(head_dim=st.sampled_from([12, 20, 24, 16]), heads=st.sampled_from([1, 2, 3, 4]),
        rows=st.sampled_from([1, 3, 5]), seq_len=st.sampled_from([24, 40]), family=st.sampled_from(["llama", "gpt2"]))
 @example(head_dim=12, heads=4, rows=3, seq_len=24, family="llama")   # d_model 48
@@ -279,7 +279,7 @@ def test_the_bfloat16_step_runs_at_any_width_and_head_dimension(xla_flags, tmp_p
   proc = subprocess.run([sys.executable, "-c", PROPERTY.format(tests=os.path.dirname(__file__))], env=env,
                         capture_output=True, text=True, timeout=900, cwd=tmp_path)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-  assert proc.stdout.count("ok ") >= 4, proc.stdout  # the three examples and a drawn case
+  assert proc.stdout.count("ok ") >= 6, proc.stdout  # the three examples and drawn cases (some may repeat)
 
 
 def test_a_suite_the_cpu_cannot_run_in_bfloat16_runs_again_with_float32_operands(monkeypatch, tmp_path):
