@@ -109,6 +109,15 @@ def gcs():
   emulator.stop()
 
 @pytest.fixture
+def fault_proxy(gcs):
+  """A fault-injecting HTTP proxy in front of the session's emulator (tests/fault_proxy.py), no faults set."""
+  from fault_proxy import FaultProxy  # pylint: disable=import-outside-toplevel
+  proxy = FaultProxy(gcs).start()
+  yield proxy
+  proxy.stop()
+
+
+@pytest.fixture
 def no_compile_cache(monkeypatch):
   """For benchmark tests: compiles are timed cold, as `midas bench` times them (it never enables the
   persistent cache), not served from the session's cache by an earlier test's identical program."""
