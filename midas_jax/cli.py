@@ -12,7 +12,8 @@
 Each commands module (midas_jax/commands/) registers its commands the same way; the module
 docstrings there list every flag. Bad input (unknown flags or gin settings, impossible shapes,
 missing files, an unwritable workdir) ends with a one-paragraph message naming the setting and the
-fix, and exit status 2.
+fix, and exit status 2. A fault outside the config ends with a message saying what failed and what to do:
+storage that does not answer with exit status 75 (transient: the same command later goes on), others with 1.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Optional, Sequence
 from midas_jax.commands import (bench_commands, convert_commands, data_commands, eval_commands,
                                 study_commands, train_commands)
 from midas_jax.commands.common import CommandGroup, split_gin_bindings
-from midas_jax.errors import ConfigError, NonFiniteLossError
+from midas_jax.errors import ConfigError, FaultError, NonFiniteLossError
 
 COMMAND_MODULES = (train_commands, eval_commands, convert_commands, study_commands, bench_commands, data_commands)
 
@@ -51,6 +52,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except NonFiniteLossError as e:
     print(f"midas: training stopped: {e}", file=sys.stderr)
     return 1
+  except FaultError as e:  # storage unavailable (exit 75: run it again later), out of memory
+    print(f"midas: stopped: {e}", file=sys.stderr)
+    return e.exit_status
 
 
 if __name__ == "__main__":

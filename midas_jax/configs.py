@@ -311,7 +311,9 @@ class DataConfig:
   jsonl_field), "seqio" (seqio_task) or "tfds" (tfds_name, tfds_data_dir, the splits
   tfds_train_split / tfds_eval_split, the text in feature tfds_text_feature). A run on a store checks
   that the store was prepared with its vocabulary, and from these settings when prepared_from is set.
-  read_threads: parallel ranged reads of a store on gs:// (local stores are read in line).
+  read_threads: ranged reads of a store on gs:// in flight at once per batch read (local stores are read in
+  line). read_ahead: with a store on gs://, the steps whose reads run while a step is built (each read
+  costs a round trip, so several run at once).
   min_chunk: a row is filled example by example until fewer than min_chunk of its slots remain.
 
   vocab: "byte", "sentencepiece" (spm_model: a .model file of any special-id layout) or "tokenizers"
@@ -346,7 +348,8 @@ class DataConfig:
   tfds_train_split: str = "train"
   tfds_eval_split: str = "validation"
   tfds_text_feature: str = "text"
-  read_threads: int = 16
+  read_threads: int = 64
+  read_ahead: int = 8
 
   def __post_init__(self):
     s = "DataConfig."
@@ -397,7 +400,9 @@ class DataConfig:
     require(self.origin != "tfds" or bool(self.tfds_name), s + "tfds_name",
             "preparing from TFDS needs a data set name", "set DataConfig.tfds_name, e.g. 'c4/en:3.0.1'")
     require(self.read_threads >= 1, s + "read_threads", f"must be >= 1, got {self.read_threads}",
-            "16 suits a store on gs://")
+            "64 suits a store on gs://")
+    require(self.read_ahead >= 0, s + "read_ahead", f"must be >= 0, got {self.read_ahead}",
+            "8 suits a store on gs://; 0 reads each step when it is built")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,6 +421,13 @@ class TrainerConfig:
   loss_chunk: the loss (cross-entropy and z-loss) runs over the sequence in chunks of this many
     positions, recomputing each chunk's logits in the backward pass, so the float32 logits are held
     for one chunk at a time; 0 computes them for the whole sequence at once.
+  shared_filesystem: local paths (the workdir, DataConfig.prepared_dir) are on a filesystem every
+    machine of a multi-machine run mounts (NFS, Filestore, GCS FUSE). Without it such a run refuses
+    local paths at start (train/shared_paths.py); processes on one machine share it anyway.
+  metrics_flush_seconds: on an object store, records are stored by a background thread this often
+    (at least 1 s: GCS takes about one update per second to one object); at a checkpoint save the
+    records so far are stored at once (a resume from it finds them), and a normal exit and a
+    preemption store the rest (train/metrics.py).
   """
 
   num_steps: int = 1000
@@ -428,6 +440,8 @@ class TrainerConfig:
   microbatches: int = 1
   loss_chunk: int = 512
   profile_steps: Optional[Tuple[int, int]] = None
+  shared_filesystem: bool = False
+  metrics_flush_seconds: float = 5.0
 
   def __post_init__(self):
     s = "TrainerConfig."
@@ -443,6 +457,12 @@ class TrainerConfig:
     require(self.log_every > 0, s + "log_every", "must be > 0", "log every N >= 1 steps")
     require(self.eval_every >= 0, s + "eval_every", "must be >= 0", "0 turns periodic eval off")
     require(self.eval_batches > 0, s + "eval_batches", "must be > 0", "evaluate on >= 1 batch")
+    require(self.metrics_flush_seconds >= 1, s + "metrics_flush_seconds",
+            f"must be >= 1, got {self.metrics_flush_seconds!r}",
+            "GCS takes about one update per second to one object; 5 is the default")
+
+
+NO_USABLE_SAVE = ("error", "start_fresh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,6 +475,14 @@ class CheckpointConfig:
     training goes on (the run always waits for it before exiting).
   init_from: a params-only export (or a run's workdir) whose parameters start a new run, e.g. an
     imported Hugging Face model; ignored when the workdir already has checkpoints (resume wins).
+  restore_retries, restore_timeout_s: a restore (or listing of the saves) that meets a storage error (HTTP
+    408/429/5xx, a reset or timed-out connection, refused credentials) is tried again after 1, 2, 4, ... s
+    (at most 60 s apart) up to restore_retries times, and no new try starts restore_timeout_s seconds after
+    the first; then the run stops with the storage error (exit status 75), leaving the save as it is. A try
+    that is running is not cut short: the storage clients retry on their own first (gcsfs about 30 s,
+    tensorstore's array reads up to about 15 minutes).
+  on_no_usable_save: when saves exist and none can be used (each damaged, and set aside), "error" stops the
+    run listing them and why; "start_fresh" starts from step 0 (or init_from) with a warning.
   """
 
   every: int = 1000
@@ -462,6 +490,9 @@ class CheckpointConfig:
   keep_every: Optional[int] = None
   async_save: bool = True
   init_from: Optional[str] = None
+  restore_retries: int = 6
+  restore_timeout_s: float = 600.0
+  on_no_usable_save: str = "error"
 
   def __post_init__(self):
     s = "CheckpointConfig."
@@ -469,6 +500,13 @@ class CheckpointConfig:
     require(self.keep >= 1, s + "keep", "must be >= 1", "keep at least the newest checkpoint")
     require(self.keep_every is None or self.keep_every >= 1, s + "keep_every", "must be >= 1 or None",
             "e.g. 10000 keeps every 10000th step's save")
+    require(self.restore_retries >= 0, s + "restore_retries", f"must be >= 0, got {self.restore_retries}",
+            "6 waits out an outage of a few minutes; 0 stops at the first storage error the clients give up on")
+    require(self.restore_timeout_s > 0, s + "restore_timeout_s", f"must be > 0, got {self.restore_timeout_s}",
+            "600 (10 minutes) waits out a short storage outage before the run stops")
+    require(self.on_no_usable_save in NO_USABLE_SAVE, s + "on_no_usable_save",
+            f"must be one of {NO_USABLE_SAVE}, got {self.on_no_usable_save!r}",
+            "'error' stops when every save is damaged; 'start_fresh' starts from step 0 instead")
 
 
 GROWTH_MOMENTS = ("copy", "zero")

@@ -1,4 +1,5 @@
-"""One error type for bad user input, so the CLI can print it without a traceback."""
+"""The errors the CLI prints without a traceback: bad user input (ConfigError), a loss that is not finite,
+and faults that stop a run from outside its config (FaultError: storage that does not answer, a host out of memory)."""
 
 
 class ConfigError(ValueError):
@@ -21,3 +22,19 @@ def require(condition: bool, setting: str, problem: str, fix: str) -> None:
 
 class NonFiniteLossError(RuntimeError):
   """The loss became NaN or inf; the state of that step is never handed to the checkpointer."""
+
+
+class FaultError(RuntimeError):
+  """The run stopped on a fault outside its config and code (storage that does not answer, a host out of
+  memory). The message says what failed, where, and what to do; the CLI prints it without a traceback and
+  exits with `exit_status`."""
+
+  exit_status = 1
+
+
+class StorageUnavailableError(FaultError):
+  """The storage did not answer (HTTP 408/429/5xx, a connection reset or timed out, credentials refused)
+  after the retries. Nothing stored was judged by it, so the same command run later goes on where this one
+  stopped; exit status 75 (EX_TEMPFAIL, "try again later") tells a supervisor so, apart from bad input (2)."""
+
+  exit_status = 75

@@ -26,6 +26,25 @@ def tiny_model(**overrides) -> configs.ModelConfig:
   return configs.ModelConfig(**base)
 
 
+def tiny_gin(bindings: str = "", num_layers: int = 2) -> str:
+  """A gin file for the subprocess tests: tiny_model()'s shape at max_seq_len 64 on rows of 32 tokens, 8 a
+  batch, no progress bar, then `bindings` (one per line)."""
+  return f"""
+ModelConfig.family = 'llama'
+ModelConfig.d_model = 32
+ModelConfig.num_layers = {num_layers}
+ModelConfig.num_heads = 4
+ModelConfig.num_kv_heads = 2
+ModelConfig.d_ff = 64
+ModelConfig.max_seq_len = 64
+ModelConfig.dtype = 'float32'
+DataConfig.seq_len = 32
+DataConfig.batch_size = 8
+TrainerConfig.progress_bar = False
+TrainerConfig.peak_flops_per_device = 1e11
+""" + bindings
+
+
 def layer_config(cfg: configs.ModelConfig) -> configs.ModelConfig:
   """The config one layer (a Block, outside a Decoder) runs with on CPU: the Decoder resolves
   attention='auto' for its platform and hands that to its layers; on CPU it is dot_product."""

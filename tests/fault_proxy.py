@@ -22,9 +22,12 @@ import http.server
 import json
 import os
 import random
+import re
+import sys
 import threading
 import time
-from typing import Dict, Iterator, Optional
+import urllib.parse
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from gcs_emulator import Emulator, _free_port
 
@@ -42,7 +45,10 @@ class FaultProxy:
   error_rate: the fraction of requests answered 503 (drawn from a generator seeded with `seed`).
   outage(seconds): every request answered 503 until that many seconds from now.
   stall(seconds): every request held that long before it is forwarded, until `stall` is called with 0.
-  Counters: `requests` (all that arrived), `injected` (answered 503 by the proxy).
+  only: None, or a regular expression: then the faults above apply only to requests whose path (percent-decoded,
+    with its query: `/storage/v1/b/B/o/run/checkpoints/4/params/...`) it matches; the others pass untouched.
+  Counters: `requests` (all that arrived), `injected` (answered 503 by the proxy); `log` lists every request as
+  (method, decoded path, whether it was answered 503 by the proxy).
   """
 
   def __init__(self, emulator: Emulator, seed: int = 0):
@@ -50,8 +56,10 @@ class FaultProxy:
     self.port = _free_port()
     self.delay_s = 0.0
     self.error_rate = 0.0
+    self.only: Optional[str] = None
     self.requests = 0
     self.injected = 0
+    self.log: List[Tuple[str, str, bool]] = []
     self._stall_s = 0.0
     self._outage_until = 0.0
     self._random = random.Random(seed)
@@ -78,16 +86,22 @@ class FaultProxy:
       self._stall_s = seconds
 
   def clear(self) -> None:
-    """No faults: no delay, no errors, no outage, no stall."""
+    """No faults: no delay, no errors, no outage, no stall, on any path."""
     with self._lock:
       self.delay_s, self.error_rate, self._stall_s, self._outage_until = 0.0, 0.0, 0.0, 0.0
+      self.only = None
 
-  def _decide(self) -> tuple:
-    """(seconds to wait, whether to answer 503) for one request, counted."""
+  def _decide(self, method: str = "GET", path: str = "") -> tuple:
+    """(seconds to wait, whether to answer 503) for one request, counted and logged."""
+    path = urllib.parse.unquote(path)
     with self._lock:
       self.requests += 1
+      if self.only is not None and not re.search(self.only, path):
+        self.log.append((method, path, False))
+        return 0.0, False
       fail = time.monotonic() < self._outage_until or self._random.random() < self.error_rate
       self.injected += fail
+      self.log.append((method, path, fail))
       return self.delay_s + self._stall_s, fail
 
   # ------------------------------------------------------------------------- serving
@@ -127,7 +141,7 @@ class FaultProxy:
 
       def _forward(self) -> None:
         body = self._body()
-        wait, fail = proxy._decide()
+        wait, fail = proxy._decide(self.command, self.path)
         if wait:
           time.sleep(wait)
         if fail:
@@ -148,7 +162,12 @@ class FaultProxy:
 
       do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _forward
 
-    self._server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+    class Server(http.server.ThreadingHTTPServer):
+      def handle_error(self, request, client_address):  # a client that hung up (it gave up waiting) is no error
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+          super().handle_error(request, client_address)
+
+    self._server = Server(("127.0.0.1", self.port), Handler)
     self._server.daemon_threads = True
     self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
     self._thread.start()

@@ -4,6 +4,7 @@ configs compared, restores onto other meshes, keep policy, params-only exports."
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -14,6 +15,7 @@ from conftest import tiny_model
 from midas_jax import cli, configs
 from midas_jax.checkpoint import (OrbaxCheckpointer, available_steps, export_run_params, load_model,
                                   write_params_export)
+from midas_jax.checkpoint import damage
 from midas_jax.errors import ConfigError, NonFiniteLossError
 from midas_jax.stacking.checks import schedule_for
 from midas_jax.train.build import build_stage
@@ -108,8 +110,27 @@ def test_a_corrupt_latest_save_is_reported_and_skipped(reference, tmp_path, capf
           f.truncate(max(os.path.getsize(f.name) // 3, 1))
   result = train(config, workdir)
   assert result.start_step == 4
-  assert "step 6 is unusable" in capfd.readouterr().err
-  assert any(name.startswith("corrupt-6") for name in os.listdir(os.path.join(workdir, "checkpoints")))
+  # evidence of damage: a read past the end of a file, or bytes that do not decode
+  assert re.search(r"step 6 is damaged \((OUT_OF_RANGE|DATA_LOSS): ", capfd.readouterr().err)
+  moved = [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.startswith("corrupt-6-")]
+  assert len(moved) == 1  # set aside by a rename, with the marker that says why
+  marker = json.load(open(os.path.join(workdir, "checkpoints", moved[0], "midas_damaged.json")))
+  assert marker["step"] == 6 and re.match("OUT_OF_RANGE|DATA_LOSS", marker["reason"])
+  assert_same_params(load_model(workdir).params, load_model(ref_dir).params)
+
+
+def test_an_interrupted_set_aside_keeps_the_save_unlisted_and_is_finished_before_its_step_is_saved(
+    reference, tmp_path):
+  config, ref_dir = reference
+  workdir = crashed_copy(ref_dir, tmp_path / "run", {4, 6})
+  # A set-aside killed between its marker and its move: the save is still in place, with the marker.
+  with open(os.path.join(workdir, "checkpoints", "6", damage.MARKER), "w") as f:
+    json.dump({"step": 6, "reason": "DATA_LOSS: test"}, f)
+  assert available_steps(workdir) == [4]
+  result = train(config, workdir)
+  assert result.start_step == 4 and available_steps(workdir) == [4, 6, 8]  # step 6 saved again, whole
+  (moved,) = [n for n in os.listdir(os.path.join(workdir, "checkpoints")) if n.startswith("corrupt-6-")]
+  assert json.load(open(os.path.join(workdir, "checkpoints", moved, damage.MARKER)))["reason"] == "DATA_LOSS: test"
   assert_same_params(load_model(workdir).params, load_model(ref_dir).params)
 
 
@@ -129,6 +150,29 @@ def test_a_different_config_is_refused_with_its_differences_unless_allowed(refer
                                 trainer=dataclasses.replace(config.trainer, log_every=2, microbatches=1, loss_chunk=0))
   result = train(lr_only, workdir, allow_config_changes=["optimizer.learning_rate"])
   assert result.start_step == 4 and result.steps == 8
+
+
+def test_arrays_of_other_shapes_are_damage_unless_the_model_was_changed_on_purpose(reference, tmp_path):
+  config, ref_dir = reference
+  wider = dataclasses.replace(config, model=dataclasses.replace(config.model, d_ff=96))
+  # Allowed on purpose, the change makes the save's arrays another shape: a config error, the save left alone.
+  workdir = crashed_copy(ref_dir, tmp_path / "allowed", {4})
+  with pytest.raises(ConfigError, match=r"--allow_config_changes.*model.d_ff.*change the model's arrays"):
+    train(wider, workdir, allow_config_changes=["model.d_ff"])
+  assert available_steps(workdir) == [4]
+  assert not any(name.startswith("corrupt-") for name in os.listdir(os.path.join(workdir, "checkpoints")))
+  # A save whose metadata claims the wider model while its arrays are not: damage, set aside, and with no
+  # other save the run stops listing it.
+  workdir = crashed_copy(ref_dir, tmp_path / "lying", {4})
+  meta_file = os.path.join(workdir, "checkpoints", "4", "metadata", "metadata")
+  meta = json.load(open(meta_file))
+  meta["config"]["model"]["d_ff"] = 96
+  json.dump(meta, open(meta_file, "w"))
+  with pytest.raises(ConfigError, match=r"(?s)on_no_usable_save.*corrupt-4-\d+: the params item's arrays are not the "
+                                        r"layout's: layers/mlp/down: saved \(4, 64, 32\) float32, the layout has "
+                                        r"\(4, 96, 32\) float32"):
+    train(wider, workdir)
+  assert available_steps(workdir) == []
 
 
 def test_the_cli_refuses_an_incompatible_resume_before_training(reference, tmp_path, capsys):

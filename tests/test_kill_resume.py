@@ -20,35 +20,23 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import KILL_SEED, REPO_ROOT
+from conftest import KILL_SEED, REPO_ROOT, tiny_gin
 from midas_jax.checkpoint import available_steps, load_model
 from midas_jax.train.metrics import read_metrics
 
 # 24 steps, 4 layers grown in 2 stages (Prop-1: the boundary is step 8), a save every 3 steps.
-GIN = """
-ModelConfig.family = 'llama'
-ModelConfig.d_model = 32
-ModelConfig.num_layers = 4
-ModelConfig.num_heads = 4
-ModelConfig.num_kv_heads = 2
-ModelConfig.d_ff = 64
-ModelConfig.max_seq_len = 64
-ModelConfig.dtype = 'float32'
-DataConfig.seq_len = 32
-DataConfig.batch_size = 8
+GIN = tiny_gin("""
 OptimizerConfig.learning_rate = 3e-3
 OptimizerConfig.warmup_steps = 2
 TrainerConfig.num_steps = 24
 TrainerConfig.log_every = 1
 TrainerConfig.eval_every = 12
 TrainerConfig.eval_batches = 1
-TrainerConfig.progress_bar = False
-TrainerConfig.peak_flops_per_device = 1e11
 StackingConfig.num_stages = 2
 StackingConfig.alpha = 1.0
 CheckpointConfig.every = 3
 CheckpointConfig.keep = 3
-"""
+""", num_layers=4)
 BOUNDARY = 8
 STEP_LINE = r"step \d+ (train|stage)"  # a step's log line, or the growth's
 TRACKED = ("loss", "grad_norm", "learning_rate", "stage", "depth", "cumulative_flops")

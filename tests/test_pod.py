@@ -139,7 +139,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resume_agrees(po
   outputs = finish(start_pair(gin_file, workdir, env, "--gin.TrainerConfig.log_every=1"))
   assert all("resuming from" not in o or f"checkpoint of step {BOUNDARY}" in o for o in outputs)
   assert f"resuming from the checkpoint of step {BOUNDARY}" in outputs[0], outputs[0][-3000:]
-  assert sum(o.count(f"step {stop} is unusable") for o in outputs) == 1  # reported (and moved) once
+  assert sum(o.count(f"step {stop} is damaged") for o in outputs) == 1  # reported (and set aside) once
   moved = [n for n in fs.listdir(checkpoint_dir(workdir)) if n.startswith(f"corrupt-{stop}-")]
   assert len(moved) == 1
   again = {r["step"]: r["loss"] for r in read_metrics(workdir, "train")}

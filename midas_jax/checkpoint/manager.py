@@ -1,4 +1,4 @@
-"""Orbax checkpoints of a run: periodic async saves, keep policy, and restores that skip bad saves.
+"""Orbax checkpoints of a run: periodic async saves, keep policy, and restores that tell damage from unavailability.
 
 Layout: <workdir>/checkpoints/<step>/{params, state, metadata}. `params` alone is what evaluation
 and conversion need; `state` holds the step count and optimizer state; `metadata` is JSON
@@ -6,31 +6,46 @@ and conversion need; `state` holds the step count and optimizer state; `metadata
 complete; on gs://, given the URL itself: a commit_success marker written last, since an object
 store cannot rename a directory), and deletes old saves only after a newer one is committed, so a
 kill at any moment leaves the previous good checkpoint in place.
+
+A restore that fails is one of three things (damage.py says which): evidence that the save is damaged
+(CorruptCheckpointError: the caller sets it aside and tries the one before); a storage error (HTTP
+408/429/5xx, a reset or timed-out connection, refused credentials), retried with exponential backoff
+within CheckpointConfig.restore_retries and restore_timeout_s and then StorageUnavailableError, the save
+left in place; or anything else, running out of memory included, which stops the run saying what it was,
+the save left in place. Listing the saves is retried the same way.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 
 from midas_jax import fs, hosts
+from midas_jax.checkpoint import damage
+from midas_jax.checkpoint.damage import CorruptCheckpointError, LayoutMismatchError
 from midas_jax.configs import CheckpointConfig
 from midas_jax.console import say
-from midas_jax.errors import NonFiniteLossError
+from midas_jax.errors import ConfigError, FaultError, NonFiniteLossError, StorageUnavailableError
+from midas_jax.fs import storage_errors
+from midas_jax.fs.paths import refresh
 from midas_jax.train_state import StateLayout, TrainState
 
 CHECKPOINT_DIR = "checkpoints"
 ITEMS = ("params", "state", "metadata")
-QUARANTINE_PREFIX = "corrupt-"
+QUARANTINE_PREFIX = damage.SET_ASIDE_PREFIX
+MAX_BACKOFF_S = 60.0  # the longest wait between two tries of a read that met a storage error
+T = TypeVar("T")
 
 
-class CorruptCheckpointError(RuntimeError):
-  """A save that exists on disk but cannot be restored (truncated, missing items, bad metadata)."""
+class RestoreError(RuntimeError):
+  """A restore failed in a way that is neither a storage error nor evidence of damage: the save is left."""
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -60,22 +75,110 @@ def make_manager(directory: str, config: Optional[CheckpointConfig] = None, read
   return ocp.CheckpointManager(directory, options=options, item_names=ITEMS)
 
 
-def restore_params(manager, step: int, abstract_params) -> Any:
+def patiently(read: Callable[[], T], url: str, doing: str, config: Optional[CheckpointConfig] = None,
+              step: Optional[int] = None) -> T:
+  """read(), tried again on storage errors with exponential backoff (1, 2, 4, ... s, at most MAX_BACKOFF_S)
+  until config.restore_retries retries or config.restore_timeout_s seconds are spent; then
+  StorageUnavailableError. Any other error is classified (_not_a_storage_error): never retried.
+
+  doing: what read() does, for messages ("reading the metadata of"); url: what it reads.
+  """
+  config = config or CheckpointConfig()
+  start = time.monotonic()
+  for attempt in itertools.count(1):
+    try:
+      with storage_errors.quiet_clients():  # the error is reported once, below, not as the client's traceback
+        return read()
+    except CorruptCheckpointError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  # the clients raise their own types
+      fault = storage_errors.classify(e)
+      if fault is None:
+        raise _not_a_storage_error(e, url, doing, step) from e
+      if not fault.transient:
+        raise ConfigError("--workdir", f"{doing} {url}: {storage_errors.describe(fault)}",
+                          storage_errors.advice(fault, url)) from e
+      spent, wait = time.monotonic() - start, min(2.0 ** (attempt - 1), MAX_BACKOFF_S)
+      if attempt > config.restore_retries or spent + wait > config.restore_timeout_s:
+        raise StorageUnavailableError(_gave_up(fault, url, doing, step, attempt, spent, config)) from e
+      _say(f"{doing} {url}: {storage_errors.describe(fault)}; trying again in {wait:g} s "
+           f"(retry {attempt} of {config.restore_retries})")
+      time.sleep(wait)
+  raise AssertionError("unreachable")
+
+
+def _gave_up(fault, url: str, doing: str, step: Optional[int], attempts: int, spent: float,
+             config: CheckpointConfig) -> str:
+  left = (f" The save of step {step} was left as it is: a storage error says nothing about it, and the same "
+          "command resumes from it." if step is not None else "")
+  return (f"{doing} {url}: {storage_errors.describe(fault)}. Gave up after {attempts} tries over {spent:.0f} s "
+          f"(CheckpointConfig.restore_retries = {config.restore_retries}, restore_timeout_s = "
+          f"{config.restore_timeout_s:g}).{left}\n  fix: {storage_errors.advice(fault, url)}; to wait longer "
+          "before giving up, raise CheckpointConfig.restore_timeout_s and restore_retries")
+
+
+def _not_a_storage_error(error: BaseException, url: str, doing: str, step: Optional[int]) -> Exception:
+  """Damage when the error is evidence of it; otherwise an error that stops the run and leaves the save."""
+  what = f"step {step}" if step is not None else url
+  reason = damage.evidence(error)
+  if reason is not None:
+    return CorruptCheckpointError(f"{what}: {reason}")
+  detail = f"{type(error).__name__}: {' '.join(str(error).split())[:400]}"
+  if damage.out_of_memory(error):
+    return FaultError(
+        f"process {jax.process_index()} ran out of memory {doing} {url} ({detail}). The save was left as it is: "
+        "running out of memory says nothing about it.\n  fix: restore on hosts with more memory, or spread the "
+        "state over more devices (MeshConfig: a larger fsdp axis), then run the same command again")
+  return RestoreError(f"{doing} {url} failed: {detail}. This is no evidence that the save is damaged, so it was "
+                      "left as it is; if it is, move it out of the checkpoints folder and run the same command again")
+
+
+def restore_params(manager, step: int, abstract_params, config: Optional[CheckpointConfig] = None) -> Any:
   """Only the params item of a save (no optimizer state is read)."""
-  try:
-    return manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params))).params
-  except Exception as e:  # pylint: disable=broad-except
-    raise CorruptCheckpointError(f"step {step}: {type(e).__name__}: {e}") from e
+  url = fs.join(str(manager.directory), str(step))
+  return patiently(
+      lambda: manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params))),
+      url, "reading the parameters of", config, step).params
 
 
-def restore_metadata(manager, step: int) -> Dict[str, Any]:
-  try:
-    meta = manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())).metadata
-  except Exception as e:  # pylint: disable=broad-except
-    raise CorruptCheckpointError(f"step {step}: metadata unreadable ({type(e).__name__}: {e})") from e
+def restore_metadata(manager, step: int, config: Optional[CheckpointConfig] = None) -> Dict[str, Any]:
+  url = fs.join(str(manager.directory), str(step))
+  meta = patiently(lambda: manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())),
+                   url, "reading the metadata of", config, step).metadata
   if not isinstance(meta, dict) or meta.get("step") != step:
     raise CorruptCheckpointError(f"step {step}: metadata does not describe this step")
   return meta
+
+
+def _layout(tree) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+  """{path: (shape, dtype)} of a tree's arrays, paths spelled the same for saved and wanted trees."""
+  def name(path) -> str:
+    return "/".join(str(next((getattr(k, a) for a in ("name", "key", "idx") if hasattr(k, a)), k)) for k in path)
+  return {name(path): (tuple(a.shape), str(a.dtype)) for path, a in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def saved_layout(item_dir: epath.Path):
+  """The tree of array metadata (shape, dtype) an item was saved with, from orbax's record of it. (A handler
+  made per call: making one at import would start jax's backend before jax.distributed.initialize.)"""
+  return ocp.StandardCheckpointHandler().metadata(item_dir)
+
+
+def check_layout(step: int, item: str, saved, wanted) -> None:
+  """LayoutMismatchError when the arrays `item` was saved with are not the `wanted` tree's (shape, dtype)."""
+  have, want = _layout(saved), _layout(wanted)
+  if have == want:
+    return
+  lines = [f"{k}: missing" for k in sorted(set(want) - set(have))]
+  lines += [f"{k}: not in the layout" for k in sorted(set(have) - set(want))]
+  lines += [f"{k}: saved {have[k][0]} {have[k][1]}, the layout has {want[k][0]} {want[k][1]}"
+            for k in sorted(set(have) & set(want)) if have[k] != want[k]]
+  more = f" (and {len(lines) - 3} more)" if len(lines) > 3 else ""
+  raise LayoutMismatchError(f"step {step}: the {item} item's arrays are not the layout's: {'; '.join(lines[:3])}{more}")
+
+
+def _marked(directory: str, steps) -> set:
+  """The steps among `steps` whose save carries the damage marker of an interrupted set-aside."""
+  return {s for s in steps if damage.is_marked(fs.join(directory, str(s)))}
 
 
 class OrbaxCheckpointer:
@@ -84,45 +187,59 @@ class OrbaxCheckpointer:
   def __init__(self, workdir: str, config: CheckpointConfig):
     self.config = config
     self.directory = checkpoint_dir(workdir)
-    self._manager = make_manager(self.directory, config)
+    refresh(self.directory)  # list what is there now, whatever this process listed before
+    self._manager = patiently(lambda: make_manager(self.directory, config), self.directory,
+                              "listing the saves in", config)
     self.save_seconds: List[float] = []  # time each save blocked the train loop
 
   def steps(self) -> List[int]:
-    """Committed saves, newest first (temporary directories of interrupted saves are not listed)."""
-    return sorted(self._manager.all_steps(), reverse=True)
+    """Committed saves, newest first (temporary directories of interrupted saves are not listed, nor saves
+    whose set-aside was interrupted)."""
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    marked = patiently(lambda: _marked(self.directory, steps), self.directory, "listing the saves in", self.config)
+    return [s for s in steps if s not in marked]
+
+  def set_aside_saves(self) -> List[Tuple[str, str]]:
+    """(name, why) of each save set aside as damaged, by this run or an earlier one."""
+    return patiently(lambda: damage.set_aside_saves(self.directory), self.directory, "listing the saves in",
+                     self.config)
 
   def metadata(self, step: int) -> Dict[str, Any]:
-    return restore_metadata(self._manager, step)
+    return restore_metadata(self._manager, step, self.config)
 
   def restore(self, layout: StateLayout, step: int) -> TrainState:
     """The state saved at `step`, laid out in `layout`'s shardings (any mesh: orbax reshards)."""
     target = _abstract(layout.abstract, layout.shardings)
     self.metadata(step)
-    try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(target.params),
-          state=ocp.args.StandardRestore({"step": target.step, "opt_state": target.opt_state})))
-    except Exception as e:  # pylint: disable=broad-except
-      raise CorruptCheckpointError(f"step {step}: {type(e).__name__}: {e}") from e
+    url = fs.join(self.directory, str(step))
+    items = {"params": target.params, "state": {"step": target.step, "opt_state": target.opt_state}}
+    for item, wanted in items.items():
+      saved = patiently(lambda item=item: saved_layout(epath.Path(url) / item), url,
+                        f"reading the layout of the {item} item of", self.config, step)
+      check_layout(step, item, saved, wanted)
+    restored = patiently(lambda: self._manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(items["params"]), state=ocp.args.StandardRestore(items["state"]))),
+        url, "reading the state of", self.config, step)
     state = TrainState(step=restored.state["step"], params=restored.params, opt_state=restored.state["opt_state"])
     if int(state.step) != step or not bool(_all_finite(state.params)):
       raise CorruptCheckpointError(f"step {step}: restored state is not the finite state of step {step}")
     return state
 
   def quarantine(self, step: int, reason: str) -> None:
-    """Moves a bad save aside (never deletes it), so the next restore looks at the one before.
+    """Sets a damaged save aside (damage.py: a marker, then a move; never deleted, no byte copied through
+    this process), so the next restore looks at the one before.
 
-    Process 0 moves it; every process waits for that before looking at the saves again.
+    Process 0 sets it aside; every process waits for that before looking at the saves again.
     """
-    src = fs.join(self.directory, str(step))
-    dst = fs.join(self.directory, f"{QUARANTINE_PREFIX}{step}-{int(time.time())}")
+    reason = reason.removeprefix(f"step {step}: ")
     if jax.process_index() == 0:
-      print(f"checkpoint: step {step} is unusable ({reason}); moved to {dst}, trying the previous save",
+      where = patiently(lambda: damage.set_aside(self.directory, step, reason), fs.join(self.directory, str(step)),
+                        "setting aside", self.config)
+      print(f"checkpoint: step {step} is damaged ({reason}); set aside as {where}, trying the previous save",
             file=sys.stderr, flush=True)
-      if fs.isdir(src):
-        fs.rename(src, dst)
     hosts.barrier(f"midas_quarantine_{step}")
-    self._manager.reload()
+    refresh(self.directory)  # every process sees process 0's move, not its own earlier listing
+    patiently(self._manager.reload, self.directory, "listing the saves in", self.config)
 
   def due(self, step: int) -> bool:
     return bool(self.config.every) and step % self.config.every == 0
@@ -130,8 +247,13 @@ class OrbaxCheckpointer:
   def save(self, state: TrainState, step: int, force: bool = False,
            metadata: Optional[Dict[str, Any]] = None) -> bool:
     """Starts a save of a verified-finite state; returns whether one was started."""
-    if not (force or self.due(step)) or step in self._manager.all_steps():
+    if not (force or self.due(step)):
       return False
+    if step in self._manager.all_steps():
+      step_dir = fs.join(self.directory, str(step))
+      if not patiently(lambda: damage.is_marked(step_dir), step_dir, "reading", self.config):
+        return False  # saved already
+      self.quarantine(step, damage.reason(step_dir))  # a set-aside interrupted earlier still holds the step
     if not bool(_all_finite(state.params)):
       raise NonFiniteLossError(f"the parameters at step {step} are not finite; not saving them")
     start = time.time()
@@ -153,9 +275,12 @@ class OrbaxCheckpointer:
 
 
 def available_steps(workdir: str) -> List[int]:
-  """Committed checkpoint steps of a run, oldest first."""
+  """Committed checkpoint steps of a run, oldest first (saves set aside as damaged are not listed)."""
   directory = checkpoint_dir(workdir)
+  refresh(directory)  # saves another process committed since this one last looked
   if not fs.isdir(directory):
     return []
-  return sorted(make_manager(directory, read_only=True).all_steps())
+  steps = make_manager(directory, read_only=True).all_steps()
+  marked = _marked(directory, steps)
+  return sorted(s for s in steps if s not in marked)
 

@@ -31,9 +31,12 @@ import shutil
 import tempfile
 from typing import IO, Any, Iterator, List, Union
 
+import fsspec
 from etils import epath
+from etils.epath import backend as epath_backend
 
 from midas_jax.errors import ConfigError
+from midas_jax.fs import storage_errors
 
 os.environ.setdefault("EPATH_USE_TF", "false")  # read by epath on every call: gcsfs, not tf.io.gfile
 # gcsfs's experimental zonal-bucket layer asks the storage control API (with credentials an
@@ -133,6 +136,23 @@ def make_output_dir(path: PathLike, setting: str) -> str:
     raise ConfigError(setting, f"cannot make the directory {text} ({e.strerror})",
                       "choose a path whose parents are directories you can write to") from None
   return text
+
+
+def refresh(path: PathLike) -> None:
+  """Forgets what the storage client remembers of listings at and under `path`, and of its parents.
+
+  gcsfs answers listings, exists() and info() from the listings it made before, so files another process (another
+  host, an earlier attempt) wrote or moved since stay unseen, or seem to be there after they are gone. Call it
+  before a listing that must see what other processes did (which checkpoints exist, after one was set aside).
+  """
+  text = check(path, "path")
+  if not is_remote(text) or os.environ.get("EPATH_USE_TF", "").lower() == "true":
+    return  # local listings are never cached; tf.io.gfile caches none
+  store = epath_backend.fsspec_backend.fs(text)  # the filesystem epath, and so orbax, reads through
+  store.invalidate_cache(text)
+  root = fsspec.core.strip_protocol(text).rstrip("/")
+  for key in [k for k in store.dircache if k == root or k.startswith(root + "/")]:
+    store.dircache.pop(key, None)
 
 
 def listdir(path: PathLike) -> List[str]:
@@ -285,10 +305,20 @@ def rmtree(path: PathLike) -> None:
 
 
 def rename(src: PathLike, dst: PathLike) -> None:
-  """Moves a file or directory (on object stores: copy then delete, so not atomic)."""
+  """Moves a file or directory (on object stores: object by object, so not atomic).
+
+  Within one store the store moves the bytes (GCS: a move or rewrite of each object, server side); no byte
+  passes through this process, which matters for a checkpoint of many GB. Between stores they are copied.
+  """
   src, dst = check(src, "path"), check(dst, "path")
   if not (is_remote(src) or is_remote(dst)):
     shutil.move(src, dst)
+    return
+  if scheme(src) == scheme(dst):
+    # Through epath's own filesystem, whose listing cache the move keeps current (another gcsfs instance's
+    # cache would still list the moved objects). gcsfs: each object's moveTo, or rewriteTo and a delete.
+    with storage_errors.quiet_clients():  # gcsfs logs a traceback when it falls back from moveTo to a rewrite
+      epath.Path(src).replace(dst)
     return
   if not isdir(src):
     copy(src, dst)

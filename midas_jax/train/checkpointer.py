@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Protocol
+from typing import List, Optional, Protocol, Tuple
 
 from midas_jax.train_state import StateLayout, TrainState
 
@@ -22,7 +22,9 @@ class Checkpointer(Protocol):
 
   def restore(self, layout: StateLayout, step: int) -> TrainState: ...  # in layout's shardings
 
-  def quarantine(self, step: int, reason: str) -> None: ...
+  def quarantine(self, step: int, reason: str) -> None: ...  # sets a damaged save aside (never deletes it)
+
+  def set_aside_saves(self) -> List[Tuple[str, str]]: ...  # (name, why) of the saves set aside so far
 
   def due(self, step: int) -> bool: ...
 
@@ -50,6 +52,9 @@ class NoCheckpointer:
 
   def quarantine(self, step: int, reason: str) -> None:
     raise AssertionError("NoCheckpointer has nothing to quarantine")
+
+  def set_aside_saves(self) -> List[Tuple[str, str]]:
+    return []
 
   def due(self, step: int) -> bool:
     return False

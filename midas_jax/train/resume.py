@@ -1,26 +1,33 @@
 """Where a run starts: its latest good checkpoint, an initial-parameters export, or step 0.
 
-Saves are tried newest first. One that cannot be read is reported and moved aside (never deleted),
-and the one before it is tried. A save written under a different config is refused before anything
-is compiled, unless the differences are allowed (metadata.check_resumable).
+Saves are tried newest first. One that shows evidence of damage (checkpoint/damage.py) is reported and
+set aside (never deleted), and the one before it is tried. A storage error, running out of memory or an
+error nobody recognises stops the run with that error and sets nothing aside: none says anything about
+the save, and the same command run later restores it. When saves exist and every one is damaged, the run
+stops listing them and why, unless CheckpointConfig.on_no_usable_save = 'start_fresh' lets it start from
+step 0; saves set aside by an earlier attempt count, so running the same command again never starts over
+without being asked. A save written under a different config is refused before anything is compiled,
+unless the differences are allowed (metadata.check_resumable).
 
-In a multi-process job the processes agree (hosts.py): every one tries the step process 0
-names, a save counts as good only if it restored on all of them, and a bad one is moved aside by
-process 0 alone while the others wait, so all of them continue from the same step.
+In a multi-process job the processes agree (hosts.py): every one tries the step process 0 names, a
+failure on any process stops all of them, a save counts as good only if it restored on all of them, and
+a damaged one is set aside by process 0 alone while the others wait, so all of them continue from the
+same step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import jax
 
 from midas_jax import fs, hosts
 from midas_jax.checkpoint import metadata as metadata_lib
+from midas_jax.checkpoint.damage import CorruptCheckpointError, LayoutMismatchError
 from midas_jax.checkpoint.export import load_model
-from midas_jax.checkpoint.manager import CorruptCheckpointError
-from midas_jax.errors import ConfigError
+from midas_jax.console import say
+from midas_jax.errors import ConfigError, FaultError
 from midas_jax.train.checkpointer import Checkpointer
 from midas_jax.train.stages import Stage, StageController
 from midas_jax.train_state import TrainState
@@ -76,19 +83,43 @@ def start(controller: StageController, checkpointer: Checkpointer, resolved_conf
     if step < 0:
       break
     tried.add(step)
-    found, problem = _restore(controller, checkpointer, step, resolved_config, allow_config_changes)
+    found, problem, failure = _restore(controller, checkpointer, step, resolved_config, allow_config_changes)
+    if not hosts.all_true(failure is None):  # a fault on any process stops every one, the save left in place
+      raise failure or FaultError(f"another process could not restore the save of step {step} (its log says "
+                                  "why); the save was left as it is\n  fix: see that process's error")
     if hosts.all_true(problem is None):
       meta, state, stage, accepted = found
       controller.growths = list(meta.get("growths", []))
       return Start(step, state, stage, tuple(accepted))
     checkpointer.quarantine(step, problem or "it could not be restored on another process")
+  _no_usable_save(controller.config.checkpoint.on_no_usable_save, checkpointer)
   state, stage = _initial_state(controller, controller.config.checkpoint.init_from)
   return Start(0, state, stage)
 
 
+def _no_usable_save(policy: str, checkpointer: Checkpointer) -> None:
+  """Stops the run when saves exist but none could be used, unless `policy` is 'start_fresh'."""
+  refused = checkpointer.set_aside_saves()
+  if not refused:
+    return
+  listing = "\n  ".join(f"{name}: {why}" for name, why in refused)
+  if policy != "start_fresh":
+    raise ConfigError("CheckpointConfig.on_no_usable_save",
+                      f"the workdir has saves but none can be used; each was set aside as damaged:\n  {listing}",
+                      "to start this run again from step 0 (or CheckpointConfig.init_from), set "
+                      "--gin.CheckpointConfig.on_no_usable_save=\"'start_fresh'\" (the set-aside saves stay "
+                      "where they are); or restore a good copy of a save into the checkpoints folder")
+  if jax.process_index() == 0:
+    say(f"checkpoint: no usable save ({len(refused)} set aside as damaged); starting from step 0 as "
+        "CheckpointConfig.on_no_usable_save = 'start_fresh' asks")
+
+
 def _restore(controller: StageController, checkpointer: Checkpointer, step: int, resolved_config: Dict[str, Any],
              allow_config_changes: Sequence[str]):
-  """((metadata, state, stage, accepted changes), None), or (None, why the save is unusable)."""
+  """(found, problem, failure): found is (metadata, state, stage, accepted changes) when the save restored;
+  problem says why the save is damaged; failure is an error that is not damage (a storage error, out of
+  memory, anything unrecognised), raised by the caller once every process knows."""
+  accepted: List[str] = []
   try:
     meta = checkpointer.metadata(step)
     if not isinstance(meta.get("config"), dict):
@@ -97,6 +128,21 @@ def _restore(controller: StageController, checkpointer: Checkpointer, step: int,
     _check_depth(controller, meta, step)
     stage = controller.stage(int(meta.get("stage", 1)))
     state = checkpointer.restore(stage.build.layout, step)
+  except LayoutMismatchError as e:
+    changed = _model_changes(accepted)
+    if changed:  # the arrays differ because the config was changed on purpose, not because the save is damaged
+      return None, None, ConfigError("--allow_config_changes", f"{e}, as the allowed changes {changed} change "
+                                     "the model's arrays", "resume with the saved model settings, or start a new "
+                                     "run in a new --workdir (CheckpointConfig.init_from can start it from an export)")
+    return None, str(e), None
   except CorruptCheckpointError as e:
-    return None, str(e)
-  return (meta, state, stage, accepted), None
+    return None, str(e), None
+  except Exception as e:  # pylint: disable=broad-except  # a config error or a fault: stop every process with it
+    return None, None, e
+  return (meta, state, stage, accepted), None, None
+
+
+def _model_changes(accepted: Sequence[str]) -> List[str]:
+  """The accepted config changes (lines "key: old -> new") to model settings that shape its arrays."""
+  keys = [line.split(":")[0] for line in accepted]
+  return [k for k in keys if k.startswith("model.") and not any(k.startswith(p) for p in metadata_lib.OPERATIONAL)]
