@@ -96,10 +96,11 @@ def test_path_layer_on_gcs(gcs):
   assert fs.glob(fs.join(base, "a", "*.json")) == [f"{base}/a/b.json"]
   fs.append_text(fs.join(base, "log.jsonl"), "1\n")
   fs.append_text(fs.join(base, "log.jsonl"), "2\n")
-  log = fs.Appender(fs.join(base, "log.jsonl"))
+  log = fs.Appender(fs.join(base, "log.jsonl"))  # on gs://: numbered parts after the file, stored by a thread
   log.write("3\n")
-  assert fs.read_text(fs.join(base, "log.jsonl")) == "1\n2\n3\n"
-  log.close()
+  assert log.close()
+  assert fs.read_appended(fs.join(base, "log.jsonl")) == "1\n2\n3\n"
+  assert fs.read_text(fs.join(base, "log.jsonl.000000")) == "3\n"
   fs.rename(fs.join(base, "a"), fs.join(base, "moved"))
   assert not fs.exists(fs.join(base, "a")) and fs.read_text(fs.join(base, "moved", "deep", "c.txt")) == "c"
   with fs.staged_dir(fs.join(base, "staged")) as local:

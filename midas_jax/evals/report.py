@@ -18,7 +18,7 @@ from midas_jax import fs
 from midas_jax.errors import ConfigError
 from midas_jax.evals import figures
 from midas_jax.train import goodput
-from midas_jax.train.metrics import read_metrics
+from midas_jax.train.metrics import has_metrics, read_metrics
 
 OBJECTIVE_KEYS = ("loss", "loss/causal", "loss/prefix", "loss/span")
 
@@ -27,7 +27,7 @@ OBJECTIVE_KEYS = ("loss", "loss/causal", "loss/prefix", "loss/span")
 # Reading a run
 
 def _is_run(path: str) -> bool:
-  return any(fs.exists(fs.join(path, f)) for f in ("metrics.jsonl", "stages.json", "eval"))
+  return has_metrics(path) or any(fs.exists(fs.join(path, f)) for f in ("stages.json", "eval"))
 
 
 def find_runs(workdir: str) -> List[Tuple[str, str]]:

@@ -1,10 +1,11 @@
-"""A local directory that a library writes into, copied to a remote one as it changes.
+"""A local directory that a library writes into, copied to a remote one as it changes, off the caller's thread.
 
 For writers that only write local files and keep them open (tensorboardX's event files,
-jax.profiler's traces): they write into `Mirror.local`, and `sync()` uploads every file that is new
-or has grown since the last upload. For a local target, `local` is the target itself and nothing
-is copied. The mirror is for outputs that can be rebuilt or lost without harm (a run's curves,
-traces): a run killed between two syncs loses what the last sync had not sent.
+jax.profiler's traces): they write into `Mirror.local`, and a background thread (fs/background.py)
+uploads every file that is new or has grown, at most once per `min_interval` seconds, retrying what
+storage refuses. For a local target, `local` is the target itself and nothing is copied. The mirror
+is for outputs that can be rebuilt or lost without harm (a run's curves, traces): a run killed
+between two uploads loses what the last one had not sent; close() sends the rest.
 """
 
 from __future__ import annotations
@@ -12,32 +13,32 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from typing import Dict, Tuple
 
+from midas_jax.console import say
 from midas_jax.fs import paths
+from midas_jax.fs.background import Periodic, describe
+
+CLOSE_SECONDS = 600.0  # a profile trace can be hundreds of MB; an exit waits this long at most
 
 
 class Mirror:
-  """`local` is where to write; `sync()` copies it to `target` at most every `min_interval` s."""
+  """`local` is where to write; its changes reach `target` within `min_interval` s (plus the upload)."""
 
   def __init__(self, target: str, min_interval: float = 10.0):
     self.target = paths.check(target, "path")
     self.remote = paths.is_remote(self.target)
-    self.min_interval = min_interval
     self._sent: Dict[str, Tuple[int, int]] = {}
-    self._last = 0.0
+    self._uploader = None
     if self.remote:
       self.local = tempfile.mkdtemp(prefix="midas_mirror_")
+      self._uploader = Periodic(self._sync, max(min_interval, 1.0), what=f"the mirror of {self.target}")
     else:
       paths.makedirs(self.target)
       self.local = self.target
 
-  def sync(self, force: bool = False) -> int:
-    """Uploads what changed; returns the number of files sent."""
-    if not self.remote or (not force and time.time() - self._last < self.min_interval):
-      return 0
-    sent = 0
+  def _sync(self) -> None:
+    """Uploads what changed since the last upload (on the uploader's thread); raises what storage refused."""
     for root, _, files in os.walk(self.local):
       for name in files:
         local = os.path.join(root, name)
@@ -48,12 +49,15 @@ class Mirror:
         rel = os.path.relpath(local, self.local).replace(os.sep, "/")
         paths.copy(local, paths.join(self.target, rel))
         self._sent[local] = key
-        sent += 1
-    self._last = time.time()
-    return sent
 
-  def close(self) -> None:
-    """A last sync; the local copy of a remote target is removed."""
-    if self.remote and os.path.isdir(self.local):
-      self.sync(force=True)
-      shutil.rmtree(self.local, ignore_errors=True)
+  def close(self, timeout: float = CLOSE_SECONDS) -> bool:
+    """A last upload (tried for up to `timeout` s); the local copy of a remote target is removed."""
+    if self._uploader is None:
+      return True
+    uploader, self._uploader = self._uploader, None
+    sent = uploader.close(timeout)
+    if not sent:
+      say(f"{self.target}: the last changes could not be copied there"
+          + (f" ({describe(uploader.error)})" if uploader.error else " (storage did not answer in time)"))
+    shutil.rmtree(self.local, ignore_errors=True)
+    return sent

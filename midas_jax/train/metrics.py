@@ -1,19 +1,24 @@
 """What a run records: metrics.jsonl, TensorBoard events, a stdout line per log, a progress bar.
 
-metrics.jsonl is the record of truth (one JSON object per write, durable when the write returns,
-so a killed run keeps every line it logged; on gs:// the object is replaced whole each time,
-fs.Appender). TensorBoard events are derived from it: they are written through a local directory
-mirrored to the workdir (fs.Mirror) and may lag by a few seconds. A resumed run drops the records
-after the step it resumes from and rebuilds the events from the records it kept, so both
+metrics.jsonl is the record of truth, one JSON object per write. A write never waits on storage
+(fs.Appender): in a local workdir the line is on disk when the write returns; on gs:// it is queued
+and a background thread stores it within FLUSH_SECONDS (5 s) while storage answers, as numbered parts
+`metrics.jsonl.000000`, ... (GCS takes about one update per second to one object), and close() stores
+the rest, on a normal exit and after a preemption's save alike. So a SIGKILLed run on gs:// loses at
+most its last 5 s of records. Read them with `read_metrics`, which concatenates the parts.
+TensorBoard events are derived from the records: they are written through a local directory mirrored
+to the workdir by another background thread (fs.Mirror) and may lag by about 20 s. A resumed run drops
+the records after the step it resumes from and rebuilds the events from the records it kept, so both
 metrics.jsonl and TensorBoard show each step once.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 import tqdm
 
@@ -23,6 +28,10 @@ from midas_jax.console import say
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+FLUSH_SECONDS = 5.0  # how stale the records on an object store may be while it answers (fs.Appender)
+SAVE_FLUSH_SECONDS = 10.0  # how long a save waits for the records before it (a resume from it keeps only those)
+CLOSE_SECONDS = 30.0  # how long close() tries to store the last records (on preemption, time is short)
+EVENTS_PER_FILE = 20_000  # scalars per TensorBoard event file (~1 MB): bounds what one mirror upload sends
 TIME_PREFIX = "time/"  # the goodput breakdown of train/goodput.py
 _RESERVED = ("step", "split")
 _UNITS = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k"))
@@ -90,28 +99,35 @@ class MetricWriter:
   One writer per run, on process 0 only: other processes should not construct one.
   resume_step: the step a run restarts from; records after it are dropped (the run redoes those
   steps) and the TensorBoard events are rebuilt from the rest. None appends to what is there.
+  flush_seconds: on an object store, how often queued records are stored.
   """
 
   def __init__(self, workdir: str, stdout: bool = True, tensorboard: bool = True,
-               resume_step: Optional[int] = None):
+               resume_step: Optional[int] = None, flush_seconds: float = FLUSH_SECONDS):
     self.workdir = workdir
     fs.makedirs(workdir)
-    path = fs.join(workdir, METRICS_FILE)
-    kept = None
-    if resume_step is not None:
-      kept = [r for r in read_metrics(workdir) if r["step"] <= resume_step]
-    self._jsonl = fs.Appender(path, initial=None if kept is None else "".join(_line(r) for r in kept))
+    keep = None if resume_step is None else functools.partial(_at_or_before, step=resume_step)
+    self._jsonl = fs.Appender(fs.join(workdir, METRICS_FILE), keep=keep, flush_seconds=flush_seconds)
     self._stdout = stdout
     self._tensorboard = tensorboard
     self._tb_writers: Dict[str, Any] = {}
-    self._tb_mirror = None
-    if tensorboard and kept is not None:
+    self._tb_counts: Dict[str, int] = {}  # scalars in each split's current event file
+    self._tb_files = 0  # event files opened, so that each new one has a name of its own
+    self._tb_mirror = self._summary_writer = None
+    if not tensorboard:
+      return
+    import tensorboardX  # a second to import: paid here at start, not by the first record; only if wanted
+    self._summary_writer = tensorboardX.SummaryWriter
+    if keep is not None:
       fs.rmtree(fs.join(workdir, TENSORBOARD_DIR))  # events of steps the restart redoes
-      for record in kept:
+    self._tb_mirror = fs.Mirror(fs.join(workdir, TENSORBOARD_DIR))
+    if keep is not None:
+      for record in _records(self._jsonl.kept):
         self._add_events(record["step"], record["split"],
                          {k: v for k, v in record.items() if k not in _RESERVED})
 
   def write(self, step: int, split: str, scalars: Mapping[str, Any]) -> None:
+    """Queues the record (never waits on storage), adds its events and prints its line."""
     if self._jsonl is None:
       raise RuntimeError("MetricWriter.write after close()")
     clash = [k for k in _RESERVED if k in scalars]
@@ -122,7 +138,6 @@ class MetricWriter:
     self._jsonl.write(_line({"step": step, "split": split, **values}))
     if self._tensorboard:
       self._add_events(step, split, values)
-      self._tb_mirror.sync()
     if self._stdout:
       say(summary_line(step, split, values))
 
@@ -131,27 +146,35 @@ class MetricWriter:
     for name, value in values.items():
       if isinstance(value, (int, float)):
         tb.add_scalar(name, float(value), global_step=step)
+    self._tb_counts[split] += len(values)
+    if self._tb_counts[split] >= EVENTS_PER_FILE:  # the next events go to a new file; this one is done
+      self._tb_writers.pop(split).close()
 
   def _tb_writer(self, split: str):
     if split not in self._tb_writers:
-      import tensorboardX  # only runs that want events pay for the import
-      if self._tb_mirror is None:
-        self._tb_mirror = fs.Mirror(fs.join(self.workdir, TENSORBOARD_DIR))
-      # flush_secs bounds what a killed run loses from its curves; the JSONL loses nothing.
-      self._tb_writers[split] = tensorboardX.SummaryWriter(
-          logdir=fs.join(self._tb_mirror.local, split), flush_secs=10)
+      # flush_secs bounds what a killed run loses from its curves; the JSONL loses less.
+      self._tb_writers[split] = self._summary_writer(
+          logdir=fs.join(self._tb_mirror.local, split), flush_secs=10, filename_suffix=f".{self._tb_files:04d}")
+      self._tb_files += 1
+      self._tb_counts[split] = 0
     return self._tb_writers[split]
 
-  def close(self) -> None:
+  def flush(self, timeout: float = SAVE_FLUSH_SECONDS) -> bool:
+    """Stores the records written so far (waiting up to `timeout` s on an object store); whether they were.
+    The TensorBoard events need no flush for a resume: it rebuilds them from the records."""
+    return self._jsonl is None or self._jsonl.flush(timeout)
+
+  def close(self, timeout: float = CLOSE_SECONDS) -> None:
+    """Stores the last records (tried for up to `timeout` s on an object store), then the last events."""
+    if self._jsonl is not None:
+      self._jsonl.close(timeout)
+      self._jsonl = None
     for tb in self._tb_writers.values():
       tb.close()
     self._tb_writers = {}
     if self._tb_mirror is not None:
-      self._tb_mirror.close()
+      self._tb_mirror.close(timeout)
       self._tb_mirror = None
-    if self._jsonl is not None:
-      self._jsonl.close()
-      self._jsonl = None
 
   def __enter__(self) -> "MetricWriter":
     return self
@@ -165,11 +188,26 @@ def _line(record: Mapping[str, Any]) -> str:
   return json.dumps(record) + "\n"
 
 
+def _at_or_before(line: str, step: int) -> bool:
+  """Whether a record's line is of `step` or earlier (what a restart from `step` keeps)."""
+  try:
+    return json.loads(line)["step"] <= step
+  except (json.JSONDecodeError, KeyError, TypeError):
+    return False
+
+
+def _records(lines: Iterable[str]) -> Iterable[Dict[str, Any]]:
+  return (json.loads(line) for line in lines)
+
+
 class NullWriter:
   """The MetricWriter of processes other than 0: logs and files come from process 0 only."""
 
   def write(self, step: int, split: str, scalars: Mapping[str, Any]) -> None:
     del step, split, scalars
+
+  def flush(self) -> bool:
+    return True
 
   def close(self) -> None:
     pass
@@ -178,13 +216,12 @@ class NullWriter:
 def read_metrics(workdir: str, split: Optional[str] = None) -> List[Dict[str, Any]]:
   """The records of <workdir>/metrics.jsonl in file order, optionally of one split only.
 
-  A run killed mid-write can leave a cut-off last line: it is skipped. A bad line elsewhere is a
-  real corruption and raises.
+  Every reader of a run's records goes through here: on gs:// the file is stored as numbered parts
+  (fs.read_appended concatenates them). A run killed mid-write can leave a cut-off last line: it is
+  skipped. A bad line elsewhere is a real corruption and raises.
   """
   path = fs.join(workdir, METRICS_FILE)
-  if not fs.exists(path):
-    return []
-  lines = fs.read_text(path).split("\n")
+  lines = fs.read_appended(path).split("\n")
   records = []
   for i, line in enumerate(lines):
     if not line.strip():
@@ -198,6 +235,11 @@ def read_metrics(workdir: str, split: Optional[str] = None) -> List[Dict[str, An
     if split is None or record.get("split") == split:
       records.append(record)
   return records
+
+
+def has_metrics(workdir: str) -> bool:
+  """Whether <workdir> holds a run's records (the file, or its parts)."""
+  return fs.appended_exists(fs.join(workdir, METRICS_FILE))
 
 
 class Progress:
