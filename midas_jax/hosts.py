@@ -7,6 +7,9 @@ Each helper is one small collective over jax.distributed, used at start-up only,
 
 from __future__ import annotations
 
+import hashlib
+import socket
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -33,4 +36,13 @@ def all_true(flag: bool) -> bool:
 def barrier(name: str) -> None:
   """Waits until every process has reached the barrier called `name`."""
   if multi_process():
-      multihost_utils.sync_global_devices(name)
+    multihost_utils.sync_global_devices(name)
+
+
+def machine_count() -> int:
+  """How many machines the processes run on, told apart by host name (processes on one machine share
+  its filesystem; processes on several see only what they mount in common)."""
+  if not multi_process():
+    return 1
+  name = np.frombuffer(hashlib.sha256(socket.gethostname().encode()).digest()[:4], np.int32)[0]
+  return len(set(np.asarray(multihost_utils.process_allgather(np.array(name))).ravel().tolist()))

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import jax
 
-from midas_jax import flops, fs, sharding
+from midas_jax import flops, fs, hosts, sharding
 from midas_jax.checkpoint import metadata as metadata_lib
 from midas_jax.checkpoint.manager import OrbaxCheckpointer
 from midas_jax.configs import RunConfig
@@ -33,6 +33,7 @@ from midas_jax.train.goodput import Goodput
 from midas_jax.train.metrics import MetricWriter, NullWriter, Progress
 from midas_jax.train.preemption import PreemptionGuard
 from midas_jax.train.profiler import StepProfiler
+from midas_jax.train.shared_paths import check_shared_paths
 from midas_jax.train.stages import StageController
 from midas_jax.train.step import per_objective_losses
 from midas_jax.train.workdir import prepare_workdir
@@ -91,6 +92,7 @@ class TrainingRun:
 
   def __init__(self, config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] = None,
                operative_config: str = "", devices=None, allow_config_changes: Sequence[str] = ()):
+    check_shared_paths(config, workdir, hosts.machine_count())
     self.workdir = prepare_workdir(workdir)
     self.config = config
     self.operative_config = operative_config
@@ -128,7 +130,8 @@ class TrainingRun:
         Prefetcher(self.stage.build.host_batch, self.start_step, trainer.num_steps, data.prefetch)))
     # A restart redoes the steps after its checkpoint (or all of them): their records are dropped.
     with self.goodput.timing("logging"):  # a resume rebuilds the events of the records it keeps
-      writer = MetricWriter(self.workdir, resume_step=self.start_step) if self.primary else NullWriter()
+      writer = (MetricWriter(self.workdir, resume_step=self.start_step, flush_seconds=trainer.metrics_flush_seconds)
+                if self.primary else NullWriter())
     self.writer = self._open.enter_context(contextlib.closing(writer))
     self.progress = self._open.enter_context(contextlib.closing(Progress(
         trainer.num_steps, initial_step=self.start_step, enabled=bar_wanted(trainer.progress_bar) and self.primary)))
@@ -185,7 +188,8 @@ class TrainingRun:
     growth = self.controller.growths[-1]
     self._record(step, "stage", {"stage": self.stage.index, "depth": self.stage.depth,
                                  "growth_seconds": growth["seconds"]})
-    self._save(state, step, force=True)
+    if self._save(state, step, force=True):
+      self._store_records()
     self._write_stages(step)
     self.window.restart(step, timed=False)
     return state
@@ -222,12 +226,15 @@ class TrainingRun:
     if trainer.eval_every and (done % trainer.eval_every == 0 or last_step):
       self._evaluate(state, done)
     # At a boundary the grown state is saved instead, by the next step's growth.
+    saved = False
     if preempted or last_step or done not in self.schedule.boundaries:
-      self._save(state, done, force=preempted or last_step)
+      saved = self._save(state, done, force=preempted or last_step)
     if preempted or last_step:
       with self.goodput.timing("checkpoint"):
         self.checkpointer.wait()  # the last save lands before the last line, which counts the wait
     self._log(done, checked)
+    if saved:
+      self._store_records()
     self.window.restart(done)
 
   def _evaluate(self, state: TrainState, done: int) -> None:
@@ -279,6 +286,12 @@ class TrainingRun:
   def _record(self, step: int, split: str, scalars: dict) -> None:
     with self.goodput.timing("logging"):
       self.writer.write(step, split, scalars)
+
+  def _store_records(self) -> None:
+    """After a save: the records up to it are stored now (bounded wait), not at the next flush interval. A
+    resume from that save keeps the records up to it and redoes the rest, so a SIGKILL after it loses none."""
+    with self.goodput.timing("logging"):
+      self.writer.flush()
 
   def _save(self, state: TrainState, step: int, force: bool = False) -> bool:
     with self.goodput.timing("checkpoint"):
