@@ -12,7 +12,8 @@ Three figures on the run config's documents (the built-in corpus by default):
               figure given with --train_tokens_per_second.
 On a prepared store (DataConfig.source = 'prepared', or --synthetic_documents=N) store_bench.py
 measures instead: there is no in-memory corpus for t5 to read. --consumption=v5p-128 compares with
-what one host of that TPU slice consumes at --mfu (store_bench.host_consumption).
+what one host of that TPU slice consumes at --mfu at the run's shallowest stage
+(store_bench.host_consumption); --storage_latency_ms=50 adds 50 ms to every request of a store on gs://.
 "ours" and "t5" are measured on ONE core: every thread of the process is pinned to a single CPU
 (sched_setaffinity on each task in /proc/self/task, restored afterwards; threads started meanwhile
 inherit the pin), and TF also gets intra/inter-op and tf.data thread pools of 1.
@@ -36,6 +37,7 @@ from midas_jax.configs import ObjectivesConfig, RunConfig
 from midas_jax.data.factory import load_data
 from midas_jax.data.pipeline import Pipeline
 from midas_jax.data.vocab import Vocabulary
+from midas_jax.errors import require
 from midas_jax.train.build import build_stage
 
 TARGET_VS_TF = 10.0
@@ -60,9 +62,10 @@ def span_pipeline(config: RunConfig, pipeline: Pipeline, vocab: Vocabulary) -> P
 def run(config: RunConfig, seconds: float = 5.0, train_tokens_per_second: Optional[float] = None,
         train_steps: int = 5, consumption: Optional[str] = None, mfu: float = 0.4,
         synthetic_documents: Optional[int] = None, synthetic_dir: Optional[str] = None,
-        synthetic_mean_length: float = 64.0) -> Dict[str, object]:
+        synthetic_mean_length: float = 64.0, storage_latency_ms: float = 0.0) -> Dict[str, object]:
   """consumption: a TPU slice (e.g. v5p-128) whose per-host consumption at `mfu` ours is compared
-  with; synthetic_documents: bench a synthetic store of that many documents (in synthetic_dir)."""
+  with; synthetic_documents: bench a synthetic store of that many documents (in synthetic_dir);
+  storage_latency_ms: added to every request of a store on gs:// (store_bench.py)."""
   training = None
   if train_tokens_per_second is not None:
     training = {"tokens_per_second": float(train_tokens_per_second), "source": "given"}
@@ -73,7 +76,9 @@ def run(config: RunConfig, seconds: float = 5.0, train_tokens_per_second: Option
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, source="prepared", prepared_dir=folder,
                                                                    prepared_from=""))
   if config.data.source == "prepared":
-    return store_bench.run(config, seconds, training, train_steps)
+    return store_bench.run(config, seconds, training, train_steps, storage_latency_ms)
+  require(not storage_latency_ms, "--storage_latency_ms", "applies to a prepared store, and this run reads "
+          f"DataConfig.source={config.data.source!r}", "set DataConfig.source='prepared' (a store on gs://)")
   import_t5_reference()  # a broken t5 install fails here, before anything is measured
   if training is not None:
     vocab, pipeline = load_data(config)

@@ -55,19 +55,20 @@ def timed(produce: Callable[[], Tuple[int, int, int]], seconds: float, warmup_se
   """Calls produce() (-> items, slots, real tokens) for warmup_seconds, then counts for ~seconds."""
   t_end = time.perf_counter() + warmup_seconds
   produce()  # at least once, so the first call's one-off costs are never timed
+  calls, items, slots, real = 1, 0, 0, 0
   while time.perf_counter() < t_end:
     produce()
-  items = slots = real = 0
+    calls += 1
   t0, cpu0 = time.perf_counter(), time.process_time()
   while True:
     n, s, r = produce()
-    items, slots, real = items + n, slots + s, real + r
+    calls, items, slots, real = calls + 1, items + n, slots + s, real + r
     elapsed = time.perf_counter() - t0
     if elapsed >= seconds:
       break
   # CPU seconds of all threads per wall second: <= 1 confirms one core (other threads included).
   cpu_seconds = time.process_time() - cpu0
-  return {"seconds": elapsed, "items": items, "slots": slots, "real_tokens": real,
+  return {"seconds": elapsed, "calls": calls, "items": items, "slots": slots, "real_tokens": real,
           "cores_used": cpu_seconds / elapsed, "cpu_seconds": cpu_seconds}
 
 
@@ -85,7 +86,7 @@ def measure_ours(pipeline, seconds: float, warmup_seconds: float, process_count:
           "real_tokens_per_second": m["real_tokens"] / m["seconds"],
           "rows_per_second": m["items"] / m["seconds"],
           "packing_efficiency": m["real_tokens"] / m["slots"],
-          "seconds": m["seconds"], "cores_used": m["cores_used"],
+          "seconds": m["seconds"], "cores_used": m["cores_used"], "batches": m["calls"],
           "real_tokens_per_cpu_second": m["real_tokens"] / m["cpu_seconds"]}
 
 

@@ -4,7 +4,7 @@
   midas bench stacking --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench checkpoint --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench preemption --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]   (on N processes: launch/local.py)
-  midas bench data --gin_file=F [--gin.KEY=VALUE ...] [--seconds=S] [--train_tokens_per_second=X]
+  midas bench data --gin_file=F [--gin.KEY=VALUE ...] [--seconds=S] [--consumption=SLICE] [--storage_latency_ms=MS]
   midas bench compile --gin_file=F [--gin_file=MESH] [--topology=v5p-128|2xv5p-128] [--method=auto] [--json=OUT]
   midas bench compile-table --after=REPORT.json ... [--before=REPORT.json ...]
 """
@@ -67,6 +67,9 @@ def register(root: CommandGroup) -> None:
   p.add_argument("--synthetic_dir", default=None, help="where the synthetic store goes (default: a temp folder)")
   p.add_argument("--synthetic_mean_length", type=float, default=64.0,
                  help="mean document length of the synthetic store, in tokens (C4 with T5's model: about 430)")
+  p.add_argument("--storage_latency_ms", type=float, default=0.0,
+                 help="on a store on gs://: milliseconds added to every storage request, as a distant or loaded "
+                      "bucket answers (the report counts the requests per step)")
   _json_flag(p)
 
   p = bench.command("compile", _compile, help="will it fit: per-device memory of the train step, compiled ahead of "
@@ -126,7 +129,8 @@ def _data(args, bindings) -> int:
   report = data_bench.run(config, seconds=args.seconds, train_tokens_per_second=args.train_tokens_per_second,
                           train_steps=args.train_steps, consumption=args.consumption, mfu=args.mfu,
                           synthetic_documents=args.synthetic_documents, synthetic_dir=args.synthetic_dir,
-                          synthetic_mean_length=args.synthetic_mean_length)
+                          synthetic_mean_length=args.synthetic_mean_length,
+                          storage_latency_ms=args.storage_latency_ms)
   return _report(args, report, data_bench.format_report(report))
 
 

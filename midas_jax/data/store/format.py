@@ -17,21 +17,24 @@ The manifest records per split its shards (documents, tokens, sha256 of each fil
 vocabulary's fingerprint, what the documents were read from (`source`, hashed into
 `source_fingerprint`) and the package versions. A run on the store refuses another vocabulary, or
 other source settings when its config names them (DataConfig.prepared_from), and checks before
-anything compiles that every shard exists at its recorded size.
+anything compiles that every shard exists at the size its counts give (process 0, one listing per
+split, the result shared: check_shards). Those counts give every file's size, so a reader needs
+no metadata request to read any byte of a store.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
+import jax
 import numpy as np
 
-from midas_jax import fs, versions
+from midas_jax import fs, hosts, versions
 from midas_jax.configs import DataConfig
 from midas_jax.errors import ConfigError, require
+from midas_jax.fs import ranges as fs_ranges
 
 FORMAT = "midas_jax.token_store"
 VERSION = 1
@@ -101,17 +104,19 @@ def vocabulary_record(vocab) -> Dict[str, object]:
 def read_manifest(store: str, setting: str = "DataConfig.prepared_dir") -> Dict[str, object]:
   """The store's manifest, checked to be one; a missing folder or manifest is a ConfigError."""
   store = fs.check(store, setting)
-  require(fs.isdir(store), setting, f"{store!r} does not exist",
-          "prepare the store first: midas data prepare --gin_file=... --out=" + store)
   path = fs.join(store, MANIFEST)
-  if not fs.exists(path):
+  try:
+    text = fs_ranges.read_file(path)  # one request on gs://; what is missing is asked only when it is
+  except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    require(fs.isdir(store), setting, f"{store!r} does not exist",
+            "prepare the store first: midas data prepare --gin_file=... --out=" + store)
     parts = fs.exists(fs.join(store, "parts"))
     raise ConfigError(setting, f"{store!r} holds no {MANIFEST}" +
                       (" (a prepare of it began but did not finish)" if parts else ""),
                       "run `midas data prepare` with this --out (again, to finish it)" if parts else
-                      "point it at the --out folder of `midas data prepare`")
+                      "point it at the --out folder of `midas data prepare`") from None
   try:
-    manifest = fs.read_json(path)
+    manifest = json.loads(text)
   except ValueError as e:
     raise ConfigError(setting, f"{path!r} is not JSON ({e})", _FIX_DAMAGED) from e
   require(isinstance(manifest, dict) and manifest.get("format") == FORMAT, setting,
@@ -151,18 +156,56 @@ def expected_sizes(shard: Dict[str, object], dtype: np.dtype) -> Dict[str, int]:
           "index": index_length(shard["documents"]) * 8}
 
 
-def check_shards(store: str, shards: List[Dict[str, object]], dtype: np.dtype, threads: int = 16) -> None:
-  """Every file of every shard exists at the size the manifest gives, or a ConfigError names it."""
-  def problem(shard) -> Optional[str]:
-    for kind, path in shard_files(store, shard["name"]).items():
-      want = expected_sizes(shard, dtype)[kind]
-      if not fs.exists(path):
-        return f"shard {shard['name']} is missing its {kind} file {path!r}"
-      have = fs.size(path)
-      if have != want:
-        return f"shard {shard['name']} is damaged: {path!r} has {have:,} bytes, the manifest says {want:,}"
-    return None
+def shard_problem(store: str, shards: List[Dict[str, object]], dtype: np.dtype,
+                  sizes: Dict[str, int]) -> Tuple[int, Optional[str]]:
+  """The first file of `shards` (in order: each shard's tokens, offsets, index) that `sizes` (a listing of
+  the split's folder, name -> bytes) lacks or gives another size than the manifest: (its position, what
+  is wrong), or (-1, None)."""
+  for i, shard in enumerate(shards):
+    want = expected_sizes(shard, dtype)
+    for j, (kind, path) in enumerate(shard_files(store, shard["name"]).items()):
+      have = sizes.get(fs.basename(path))
+      if have is None:
+        return 3 * i + j, f"shard {shard['name']} is missing its {kind} file {path!r}"
+      if have != want[kind]:
+        return 3 * i + j, (f"shard {shard['name']} is damaged: {path!r} has {have:,} bytes, the manifest says "
+                           f"{want[kind]:,}")
+  return -1, None
 
-  with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(shards)))) as pool:
-    for found in pool.map(problem, shards):
-      require(found is None, "DataConfig.prepared_dir", found or "", _FIX_DAMAGED)
+
+def check_shards(store: str, manifest: Dict[str, object], splits: Sequence[str]) -> None:
+  """Every file of every shard of `splits` exists at the size the manifest gives, or a ConfigError names it.
+
+  Process 0 lists each split's folder once (one request per 1,000 files on gs://, where checking
+  each file would cost two) and broadcasts the position of the first bad file, -1 if none, -2 if it
+  could not list; every process then stops with the same error or goes on. One collective, never a
+  file in the workdir: the processes are connected already, and a file would need a workdir and
+  the others polling the bucket for it.
+  """
+  dtype = np.dtype(manifest["dtype"])
+  files = [(split, shard, kind) for split in splits for shard in split_shards(manifest, split, store)
+           for kind in ("tokens", "offsets", "index")]
+  code, problem, error = -1, None, None
+  if jax.process_index() == 0:
+    try:
+      offset = 0
+      for split in splits:
+        shards = split_shards(manifest, split, store)
+        at, problem = shard_problem(store, shards, dtype, fs_ranges.file_sizes(fs.join(store, split)))
+        if problem:
+          code = offset + at
+          break
+        offset += 3 * len(shards)
+    except Exception as e:  # pylint: disable=broad-except
+      code, error = -2, e  # told to the others before it is raised, so that none waits for a broadcast
+  code = hosts.from_process_0(code)
+  if error is not None:
+    raise error
+  require(code != -2, "DataConfig.prepared_dir", f"process 0 could not list the store {store!r}",
+          "see process 0's error; check the credentials and the bucket")
+  if code >= 0:
+    split, shard, kind = files[code]
+    path = shard_files(store, shard["name"])[kind]
+    raise ConfigError("DataConfig.prepared_dir", problem or (
+        f"shard {shard['name']}: process 0 found {path!r} missing or not at the size the manifest gives "
+        f"({expected_sizes(shard, dtype)[kind]:,} bytes)"), _FIX_DAMAGED)

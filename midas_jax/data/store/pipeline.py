@@ -16,9 +16,8 @@ tallies how often. Examples are laid out and packed by the same code as the in-m
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 
@@ -30,7 +29,8 @@ from midas_jax.data.pipeline import (CAUSAL_ID, PREFIX_ID, SPAN_ID, SPLITS, exam
                                      place_examples)
 from midas_jax.data.store import format as store_format
 from midas_jax.data.store.layout import EpochLayout
-from midas_jax.data.store.reader import FilePool, SplitReader
+from midas_jax.data.store.read_ahead import ReadAhead
+from midas_jax.data.store.reader import SplitReader
 from midas_jax.errors import require
 
 _LAYOUT_STREAMS, _DRAW_STREAMS = 16, 24  # stream ids, apart from the in-memory pipeline's (0, 1)
@@ -55,23 +55,23 @@ class PreparedPipeline:
     self._chunk = np.asarray([self._chunk_size(tables, i) for i in range(len(self.entries))], np.int64)
     self._sentinel_ids = np.asarray(self.special.sentinel_ids, np.int32)
     dtype = np.dtype(manifest["dtype"])
-    self._files = FilePool()
+    store_format.check_shards(store, manifest, tuple(SPLITS))
     self.readers: Dict[str, SplitReader] = {}
     self.layouts: Dict[str, EpochLayout] = {}
     self._keys: Dict[str, np.ndarray] = {}
     for split, index in SPLITS.items():
-      shards = store_format.split_shards(manifest, split, store)
-      store_format.check_shards(store, shards, dtype, config.read_threads)
-      reader = SplitReader(store, shards, dtype, self._files)
+      reader = SplitReader(store, store_format.split_shards(manifest, split, store), dtype, config.read_threads)
       self.readers[split] = reader
       self.layouts[split] = EpochLayout(config.seq_len, self.entries, tables["length"], self._chunk, reader.tokens,
                                         reader.documents, streams.split_key(config.seed, _LAYOUT_STREAMS + index),
                                         mix.mode_tokens)
       self._keys[split] = streams.split_key(config.seed, _DRAW_STREAMS + index)
-    # Ranged reads of a remote store wait on the network: several at once. Local ones are in line.
-    self._io = concurrent.futures.ThreadPoolExecutor(config.read_threads) if fs.is_remote(store) else None
+    # A remote store's reads wait on round trips: the next `read_ahead` steps' reads run while this one is
+    # built. Local reads take microseconds and are made in line.
+    self._ahead = ReadAhead(config.read_ahead if fs.is_remote(store) else 0)
     self._lock = threading.Lock()
     self.counts = {"examples": 0, "demoted_examples": 0, "tokens": 0, "demoted_tokens": 0}
+    self.steps_read = 0  # batches' reads made, in line or ahead
 
   def _chunk_size(self, tables, i: int) -> int:
     """The longest piece that is one example: span corruption needs a sentinel per span."""
@@ -81,32 +81,27 @@ class PreparedPipeline:
 
   # ----------------------------------------------------------------------------- reading
 
-  def _read(self, split: str, ranges: List[Tuple[int, int]]):
-    reader = self.readers[split]
-    pieces = [reader.pieces(a, b) for a, b in ranges]
-    tokens = [reader.read_tokens(a, b) for a, b in ranges]
-    return [np.concatenate(p) for p in zip(*pieces)], np.concatenate(tokens)
-
-  def _pieces(self, split: str, rows: np.ndarray):
-    """Per piece of the rows' windows: (row, document, first token in it, size), and every row's
-    raw tokens one after another."""
+  def _read(self, split: str, rows: np.ndarray):
+    """The rows' windows, and per piece of them (row, document, first token in it, size) with every
+    row's raw tokens one after another: one batched read of the split (reader.py)."""
     layout = self.layouts[split]
     windows = layout.windows(rows)
     jobs = layout.ranges(windows)
-    read = (list(self._io.map(lambda r: self._read(split, r), jobs)) if self._io is not None
-            else [self._read(split, r) for r in jobs])
-    counts = [len(p[0][0]) for p in read]
-    row = np.repeat(np.arange(len(rows)), counts)
+    read = self.readers[split].read([r for job in jobs for r in job])
+    with self._lock:
+      self.steps_read += 1
+    row_of_range = np.repeat(np.arange(len(rows)), [len(job) for job in jobs])
+    row = np.repeat(row_of_range, [len(p[0][0]) for p in read])
     doc, first, size = (np.concatenate([p[0][k] for p in read]) for k in range(3))
     return windows, row, doc, first, size, np.concatenate([p[1] for p in read])
 
   # ----------------------------------------------------------------------------- rows
 
-  def _rows(self, split: str, rows: np.ndarray) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
+  def _rows(self, split: str, rows: np.ndarray, read) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
     """Rows `rows` (global indices) in the packing.py format, and per example its (document, start,
-    length) in the store."""
+    length) in the store; `read`: what _read(split, rows) returns."""
     s, table, key = self.config.seq_len, self._table, self._keys[split]
-    windows, row, doc, first, size, raw = self._pieces(split, rows)
+    windows, row, doc, first, size, raw = read
     entry = windows.entry[row]
     row, doc, entry, first, src, n = _chunks(row, doc, entry, first, size, self._chunk[entry])
 
@@ -166,13 +161,20 @@ class PreparedPipeline:
   def batch(self, step: int, split: str = "train", process_index: int = 0,
             process_count: int = 1) -> Dict[str, np.ndarray]:
     """This process's rows of the global batch at `step`: rows [i * B/P, (i + 1) * B/P)."""
-    return self._rows(split, self._global_rows(step, process_index, process_count))[0]
+    return self._step(step, split, process_index, process_count)[0]
 
   def batch_with_sources(self, step: int, split: str = "train", process_index: int = 0,
                          process_count: int = 1) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
     """batch() and, per row and segment (segment k + 1 at column k), the example's document index
     in the split, its first token in that document and its raw length (-1 / 0 where no example)."""
-    return self._rows(split, self._global_rows(step, process_index, process_count))
+    return self._step(step, split, process_index, process_count)
+
+  def _step(self, step: int, split: str, process_index: int, process_count: int):
+    """This process's rows at `step`, from their read (started ahead on a remote store: read_ahead.py)."""
+    rows_at = lambda s: self._global_rows(s, process_index, process_count)  # noqa: E731
+    read = self._ahead.get((split, process_index, process_count), step, lambda s: self._read(split, rows_at(s)),
+                           streams.MAX_ROWS // self.config.batch_size - 1)
+    return self._rows(split, rows_at(step), read)
 
   def progress(self, steps: int) -> Dict[str, float]:
     """How far `steps` steps are through the data, for the train records: "epoch", the epochs of
@@ -188,10 +190,9 @@ class PreparedPipeline:
                       "source": self.manifest["source"],
                       "splits": {k: v.describe() for k, v in self.layouts.items()}}}
 
-  def close(self) -> None:
-    if self._io is not None:
-      self._io.shutdown(wait=False)
-    self._files.close()
+  def close(self, wait: bool = False) -> None:
+    """Stops the reads started ahead; wait: until those already running have ended (a benchmark's count)."""
+    self._ahead.close(wait)
 
 
 def _chunks(row, doc, entry, first, size, chunk):
