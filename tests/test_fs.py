@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from midas_jax import fs
+from midas_jax import cli, fs
 from midas_jax.errors import ConfigError
 
 
@@ -19,6 +19,21 @@ def test_local_paths_stay_plain_paths(tmp_path):
 def test_unknown_scheme_names_the_setting():
   with pytest.raises(ConfigError, match="--workdir.*ftp://"):
     fs.check("ftp://host/run", "--workdir")
+
+
+def test_a_placeholder_bucket_is_refused_naming_the_setting_before_any_request():
+  with pytest.raises(ConfigError) as e:
+    fs.check("gs://YOUR_BUCKET/stores/c4_en", "DataConfig.prepared_dir")
+  assert e.value.setting == "DataConfig.prepared_dir" and "'YOUR_BUCKET'" in e.value.problem
+  for bad in ("gs://", "gs://ab/x", "gs://-bucket/x", "gs://a b/x"):
+    with pytest.raises(ConfigError):
+      fs.check(bad, "--workdir")
+  assert fs.check("gs://my-bucket_1.example/x", "--workdir") == "gs://my-bucket_1.example/x"
+
+
+def test_the_paper_configs_stop_at_start_until_given_a_bucket(tmp_path, capsys):
+  assert cli.main(["train", "--gin_file=gin/experiments/paper_1b_baseline.gin", f"--workdir={tmp_path / 'run'}"]) == 2
+  assert "DataConfig.spm_model: 'gs://YOUR_BUCKET/spm/c4_en.model'" in capsys.readouterr().err
 
 
 def test_glob_recurses_and_sorts(tmp_path):

@@ -59,6 +59,9 @@ def is_remote(path: PathLike) -> bool:
   return bool(scheme(path))
 
 
+_GCS_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
+
+
 def check(path: PathLike, setting: str) -> str:
   """The path as a string, local paths with `~` expanded; an unknown scheme is a ConfigError."""
   text = os.fspath(path)
@@ -68,6 +71,13 @@ def check(path: PathLike, setting: str) -> str:
                       f"use a local path or one of {', '.join(s + '://' for s in SCHEMES)}")
   if not text:
     raise ConfigError(setting, "the path is empty", "give a local path or a gs:// URL")
+  if found == "gs":
+    bucket = text[len("gs://"):].split("/", 1)[0]
+    if not _GCS_BUCKET.fullmatch(bucket):  # asking storage about it would only meet retries and DNS errors
+      raise ConfigError(setting, f"{text!r} names the bucket {bucket!r}, which is not a GCS bucket name "
+                        "(3 to 222 lowercase letters, digits, '-', '_' and '.')",
+                        "give your bucket, e.g. gs://my-bucket/...; gs://YOUR_BUCKET in the paper configs is a "
+                        "placeholder for it")
   return text if found else os.path.expanduser(text)
 
 
