@@ -13,11 +13,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 
-from midas_jax import gin_config
+from midas_jax import fs, gin_config
 from midas_jax.configs import RunConfig
 from midas_jax.errors import ConfigError
 
 Handler = Callable[[argparse.Namespace, List[str]], int]
+CACHE_DIR_VAR = "MIDAS_JAX_CACHE_DIR"  # a folder, a gs:// URL shared by the pod, or "off"
+MIN_COMPILE_SECS_VAR = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"  # jax's own, honoured when set
 
 
 class CommandGroup:
@@ -87,13 +89,23 @@ def refuse_bindings(bindings: Sequence[str], command: str, fix: str) -> None:
 def enable_compilation_cache() -> None:
   """Persistent XLA compilation cache, so a re-run (or a resumed run) reuses its compiles.
 
-  MIDAS_JAX_CACHE_DIR picks the folder; set it to "off" to disable.
+  MIDAS_JAX_CACHE_DIR picks the folder, or a gs:// URL that every host of a pod reads: jax writes
+  entries from process 0 only, so a folder on each host would serve host 0 alone and every other
+  host would compile every program again after each restart. "off" disables the cache. A program
+  is kept if it took at least 1 s to compile, unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says
+  otherwise. Errors reading or writing the cache are warnings (jax's default): a compile, not a stop.
   """
-  path = os.environ.get("MIDAS_JAX_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "midas_jax", "xla"))
+  path = os.environ.get(CACHE_DIR_VAR, os.path.join(os.path.expanduser("~"), ".cache", "midas_jax", "xla"))
   if path == "off":
     return
+  path = fs.check(path, CACHE_DIR_VAR)  # an unknown scheme stops here, naming the variable
   jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  if MIN_COMPILE_SECS_VAR not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  if fs.is_remote(path):
+    # XLA's own GPU caches (autotuning, kernels) would get the URL as a directory for its C++ file
+    # I/O, which has no gs:// client; jax's cache of whole programs goes through etils.epath instead.
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
 
 
 def profile_binding(text: Optional[str]) -> List[str]:
