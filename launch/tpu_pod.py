@@ -1,37 +1,46 @@
-"""Run midas on a Cloud TPU VM slice: create (or reuse) it, install, run on every worker, follow, stop.
+"""Run midas on Cloud TPU VMs: one slice, or slices from a queued resource, restarted by themselves.
 
-  python launch/tpu_pod.py up --name=midas-v5p --zone=us-east5-a --accelerator=v5p-128 \
-      -- train --gin_file=gin/experiments/paper_1b_midas_prop1.gin \
-               --gin_file=gin/meshes/tpu_v5p_128.gin --workdir=/mnt/runs/paper_1b_midas
+  python launch/tpu_pod.py up --name=midas-v5p --zone=us-east5-a --accelerator=v5p-128 \\
+      -- train --gin_file=gin/experiments/paper_1b_midas_prop1.gin \\
+               --gin_file=gin/meshes/tpu_v5p_128.gin --workdir=gs://BUCKET/runs/paper_1b_midas
 
-Actions: up (create or reuse, install, run, follow the log), create, install, run (start on every
-worker, then follow), logs, stop (SIGTERM: the run saves a checkpoint and exits), delete.
---dry-run prints the gcloud commands instead of running them. Every worker runs the same command;
-jax finds the other workers from the TPU VM's metadata (midas_jax/distributed.py), so no
-coordinator flags are needed. The workdir must be storage every worker sees: a gs:// URL (orbax
-and every other output write to the bucket directly), or an NFS mount. The run is a transient
-systemd unit on each worker (`systemd-run`), so its log is the journal's and no log, pid or other
-file of the run is written to a worker's disk; --env=KEY=VALUE sets variables for it.
+Actions on a TPU VM created directly: up (create it, or restart the run on it, then follow the log),
+create, run (restart the run with this checkout and command), logs, stop (SIGTERM: the run saves and
+exits), delete. With a queued resource (the way to get most v5p/v5e capacity, and the only way to get
+several slices: --slices=N): queue (request it), watch (request it if needed, then queue it again
+whenever it is SUSPENDED or FAILED, e.g. a Spot slice preempted), and logs, run, stop, delete with
+--queued. --dry-run prints the commands instead of running them.
+
+How a run survives: the checkout (a tarball) and the run's systemd unit go to a stage on GCS
+(--stage, default WORKDIR/launch); every worker gets tpu_startup.sh as its metadata start-up script,
+which runs on every boot, installs uv, Python 3.11 and `.[tpu]`, and starts the unit. The unit
+restarts a failed run (Restart=on-failure), and every start resumes from the workdir. Every worker
+runs the same command; jax finds the others from the TPU VM's metadata. The run's output is the
+journal's (`logs` follows it); nothing of the run is written to a worker's disk.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
+import tempfile
+import time
 from typing import List, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (Runner, add_dry_run, add_env, parse_env, require_midas_args, split_midas_args,  # noqa: E402  pylint: disable=wrong-import-position
-                     workdir_note)
+from _common import (CACHE_DIR_VAR, Runner, add_compile_cache, add_dry_run, add_env, flag_value, parse_env,  # noqa: E402  pylint: disable=wrong-import-position
+                     require_midas_args, split_midas_args, with_compile_cache, workdir_note)
+import _tpu_worker as worker  # noqa: E402  pylint: disable=wrong-import-position
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ACTIONS = ("up", "create", "install", "run", "logs", "stop", "delete")
-# The TPU VM software version each generation boots with (gcloud's --version).
+ACTIONS = ("up", "create", "run", "queue", "watch", "logs", "stop", "delete")
+NEEDS_RUN = ("up", "create", "run", "queue", "watch")  # actions that install the run: a midas command after --
+# The TPU VM software version each generation boots with (gcloud's --version / --runtime-version).
 RUNTIMES = {"v4": "tpu-ubuntu2204-base", "v5litepod": "v2-alpha-tpuv5-lite", "v5e": "v2-alpha-tpuv5-lite",
-            "v5p": "v2-alpha-tpuv5"}
-REMOTE_ARCHIVE = "~/midas_src.tgz"
+            "v5p": "v2-alpha-tpuv5", "v6e": "v2-alpha-tpuv6e"}
+REQUEUE_STATES = ("SUSPENDED", "FAILED")  # a queued resource in these holds no slice any more
+STARTUP_UNIT = "google-startup-scripts.service"  # the guest agent's unit that runs `startup-script`
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -39,27 +48,52 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="launch/tpu_pod.py", description=__doc__.split("\n")[0],
                                    epilog="Everything after `--` is the midas command every worker runs.")
   parser.add_argument("action", choices=ACTIONS)
-  parser.add_argument("--name", required=True, help="TPU VM name")
+  parser.add_argument("--name", required=True, help="TPU VM name, or the queued resource's (its slices: NAME-0, ...)")
   parser.add_argument("--zone", required=True)
   parser.add_argument("--project", default=None, help="GCP project (default: gcloud's configured one)")
   parser.add_argument("--accelerator", default=None, help="accelerator type, e.g. v4-64, v5litepod-64, v5p-128")
   parser.add_argument("--version", default=None, help="TPU VM runtime (default: by accelerator generation)")
-  parser.add_argument("--spot", action="store_true", help="create a Spot (preemptible) slice")
+  tier = parser.add_mutually_exclusive_group()
+  tier.add_argument("--spot", action="store_true", help="Spot capacity: cheaper, preemptible")
+  tier.add_argument("--reserved", action="store_true", help="capacity from the project's reservation")
+  parser.add_argument("--queued", action="store_true",
+                      help="the slices belong to a queued resource (implied by queue, watch and --slices > 1)")
+  parser.add_argument("--slices", type=int, default=1, help="slices joined by DCN (a multislice queued resource)")
+  parser.add_argument("--poll_s", type=float, default=300, help="watch: seconds between looks at the queued resource")
   parser.add_argument("--source", default=REPO_ROOT, help="the midas_jax checkout to install")
-  parser.add_argument("--remote_dir", default="midas_jax", help="install directory on each worker (under ~)")
-  parser.add_argument("--extras", default="data,tpu", help="the package's extras to install (setup.py)")
+  parser.add_argument("--stage", default=None,
+                      help="gs:// folder the workers fetch the checkout and the run's unit from at every boot "
+                           "(default: WORKDIR/launch)")
+  parser.add_argument("--extras", default="tpu",
+                      help="the package's extras to install (setup.py); `tpu` is all a run on a prepared store needs")
   parser.add_argument("--run_name", default="midas", help="names the run's systemd unit on the workers (midas-NAME)")
-  parser.add_argument("--log_worker", type=int, default=0, help="the worker whose log `logs` follows")
+  parser.add_argument("--log_worker", type=int, default=0, help="the worker (of the first slice) `logs` follows")
+  add_compile_cache(parser)
   add_env(parser)
   add_dry_run(parser)
   args = parser.parse_args(own)
   args.midas_args = midas_args
   args.env = parse_env(parser, args.env)
-  if args.action in ("up", "create") and not args.accelerator:
+  if args.slices < 1:
+    parser.error("--slices must be >= 1")
+  args.queued = args.queued or args.slices > 1 or args.action in ("queue", "watch")
+  if args.action in ("up", "create") and args.queued:
+    parser.error(f"`{args.action}` creates a TPU VM directly; for a queued resource use `queue` or `watch`")
+  if args.action in ("up", "create", "queue", "watch") and not args.accelerator:
     parser.error(f"`{args.action}` needs --accelerator, e.g. --accelerator=v5p-128")
-  if args.action in ("up", "run"):
+  if args.action in NEEDS_RUN:
     require_midas_args(parser, midas_args)
+    args.stage = args.stage or default_stage(midas_args)
+    if not (args.stage or "").startswith("gs://"):
+      parser.error("--stage: the workers fetch the checkout from GCS at every boot (a re-created slice has "
+                   "a fresh disk): pass --stage=gs://BUCKET/DIR, or a gs:// --workdir (its launch/ folder)")
+    args.stage = args.stage.rstrip("/")
   return args
+
+
+def default_stage(midas_args: Sequence[str]):
+  workdir = flag_value(midas_args, "workdir")
+  return f"{workdir.rstrip('/')}/launch" if workdir and workdir.startswith("gs://") else None
 
 
 def runtime_version(args) -> str:
@@ -72,79 +106,186 @@ def runtime_version(args) -> str:
   return RUNTIMES[generation]
 
 
-def _gcloud(args, verb: str, *rest: str) -> List[str]:
-  cmd = ["gcloud", "compute", "tpus", "tpu-vm", verb, *rest, f"--zone={args.zone}"]
-  if args.project:
-    cmd.append(f"--project={args.project}")
-  return cmd
-
-
-def ssh(args, command: str, worker: str = "all") -> List[str]:
-  return _gcloud(args, "ssh", args.name, f"--worker={worker}", f"--command={command}")
-
-
 def unit(args) -> str:
   return f"midas-{args.run_name}"
 
 
-def create(args, runner: Runner) -> None:
-  if runner.succeeds(_gcloud(args, "describe", args.name, "--format=value(state)")):
-    runner.note(f"reusing the existing TPU VM {args.name}")
-    return
-  runner.note(f"if `describe` fails, {args.name} does not exist yet and is created:")
-  cmd = _gcloud(args, "create", args.name, f"--accelerator-type={args.accelerator}",
-                f"--version={runtime_version(args)}")
-  if args.spot:
-    cmd.append("--spot")
-  runner.run(cmd)
+def nodes(args) -> List[str]:
+  """The TPU VMs (slices) of the run: NAME, or NAME-0 ... NAME-(N-1) of a multislice queued resource."""
+  return [args.name] if args.slices == 1 else [f"{args.name}-{i}" for i in range(args.slices)]
 
 
-def install(args, runner: Runner) -> None:
-  archive = f"/tmp/midas_src_{args.name}.tgz"
-  runner.run(["tar", "czf", archive, "--exclude=.git", "--exclude=.venv", "--exclude=runs",
-              "--exclude=__pycache__", "-C", os.path.abspath(args.source), "."])
-  runner.run(_gcloud(args, "scp", archive, f"{args.name}:{REMOTE_ARCHIVE}", "--worker=all"))
-  remote = (f"mkdir -p ~/{args.remote_dir} && tar xzf {REMOTE_ARCHIVE} -C ~/{args.remote_dir} && "
-            f"rm -f {REMOTE_ARCHIVE} && cd ~/{args.remote_dir} && python3 -m pip install -q -e '.[{args.extras}]'")
-  runner.run(ssh(args, remote))
+def _where(args) -> List[str]:
+  return [f"--zone={args.zone}"] + ([f"--project={args.project}"] if args.project else [])
 
 
-def start(args, runner: Runner) -> None:
+def _gcloud(args, verb: str, *rest: str) -> List[str]:
+  return ["gcloud", "compute", "tpus", "tpu-vm", verb, *rest, *_where(args)]
+
+
+def _queued(args, verb: str, *rest: str) -> List[str]:
+  return ["gcloud", "compute", "tpus", "queued-resources", verb, args.name, *rest, *_where(args)]
+
+
+def ssh(args, node: str, command: str, worker_id: str = "all") -> List[str]:
+  return _gcloud(args, "ssh", node, f"--worker={worker_id}", f"--command={command}")
+
+
+def local_file(args, name: str) -> str:
+  folder = os.path.join(tempfile.gettempdir(), f"midas_launch_{args.name}")
+  return os.path.join(folder, name)
+
+
+def startup_file(args, runner: Runner) -> str:
+  """Writes the workers' start-up script here; returns its path (gcloud reads it into the metadata)."""
+  path = local_file(args, "startup.sh")
+  if not runner.dry_run:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+  runner.write(path, worker.startup_script(args.stage, unit(args), args.extras))
+  return path
+
+
+def stage(args, runner: Runner) -> None:
+  """The checkout and the run's unit, on GCS, where every worker fetches them at every boot."""
   note = workdir_note(args.midas_args, "worker")
   if note:
     runner.note(note)
-  # A transient unit as this user, in the checkout: the journal keeps its output, systemd its pid.
-  # The first part is expanded by the worker's shell ($(id -u), $HOME); the rest is quoted.
-  worker_side = ["sudo", "systemd-run", f"--unit={unit(args)}", "--collect", "--quiet", "--uid=$(id -u)",
-                 "--gid=$(id -g)", f"--working-directory=$HOME/{args.remote_dir}", "--setenv=HOME=$HOME"]
-  setenv = [f"--setenv={k}={v}" for k, v in sorted(dict(args.env, PYTHONUNBUFFERED="1").items())]
-  command = " ".join(worker_side) + " " + shlex.join([*setenv, "python3", "-m", "midas_jax", *args.midas_args])
-  runner.run(ssh(args, f"sudo systemctl reset-failed {unit(args)} 2>/dev/null; {command}"))
+  env = with_compile_cache(args.env, args.midas_args, args.compile_cache)
+  if env.get(CACHE_DIR_VAR):
+    runner.note(f"the compilation cache every worker reads: {env[CACHE_DIR_VAR]}")
+  archive, service = local_file(args, worker.SOURCE_ARCHIVE), local_file(args, f"{unit(args)}.service")
+  if not runner.dry_run:
+    os.makedirs(os.path.dirname(archive), exist_ok=True)
+  runner.run(["tar", "czf", archive, "--exclude=.git", "--exclude=.venv", "--exclude=runs",
+              "--exclude=__pycache__", "-C", os.path.abspath(args.source), "."])
+  runner.write(service, worker.unit_file(args.run_name, args.midas_args, env))
+  runner.run(["gcloud", "storage", "cp", archive, service, f"{args.stage}/"])
+
+
+def tier_flags(args) -> List[str]:
+  return ["--spot"] if args.spot else ["--reserved"] if args.reserved else []
+
+
+def create_vm(args, runner: Runner) -> bool:
+  """Creates the TPU VM with the start-up script (its first boot starts the run); False if it existed."""
+  if runner.succeeds(_gcloud(args, "describe", args.name, "--format=value(state)")):
+    runner.note(f"the TPU VM {args.name} exists already")
+    return False
+  runner.note(f"if `describe` fails, {args.name} does not exist yet and is created; its first boot starts the run:")
+  runner.run(_gcloud(args, "create", args.name, f"--accelerator-type={args.accelerator}",
+                     f"--version={runtime_version(args)}", *tier_flags(args),
+                     f"--metadata-from-file=startup-script={startup_file(args, runner)}"))
+  return True
+
+
+def queue_command(args, script: str) -> List[str]:
+  slices = [f"--node-id={args.name}"] if args.slices == 1 else [f"--node-count={args.slices}",
+                                                                f"--node-prefix={args.name}"]
+  return _queued(args, "create", f"--accelerator-type={args.accelerator}",
+                 f"--runtime-version={runtime_version(args)}", *slices, *tier_flags(args),
+                 f"--metadata-from-file=startup-script={script}")
+
+
+def restart_on_workers(args, runner: Runner) -> None:
+  """Runs the start-up script again on every worker: the run saves, stops, and starts with the new stage."""
+  if not args.queued:  # a VM made elsewhere gets the script too, so that its next boot resumes the run
+    runner.run(_gcloud(args, "update", args.name, f"--metadata-from-file=startup-script={startup_file(args, runner)}"))
+  for node in nodes(args):
+    runner.run(ssh(args, node, "sudo google_metadata_script_runner startup"))
 
 
 def follow(args, runner: Runner) -> None:
-  runner.note(f"following worker {args.log_worker}'s log until its run ends (Ctrl-C stops following, not the run)")
-  journal = f"sudo journalctl --unit={unit(args)} --follow --lines=all --output=cat"
-  remote = (f"{journal} & J=$!; while systemctl is-active --quiet {unit(args)}; do sleep 5; done; "
+  """Follows one worker's start-up script and run until the run ends (stopped, finished, or given up)."""
+  runner.note(f"following worker {args.log_worker} of {nodes(args)[0]} until its run ends "
+              "(Ctrl-C stops following, not the run)")
+  name = unit(args)
+  journal = f"sudo journalctl --unit={STARTUP_UNIT} --unit={name} --follow --lines=all --output=cat"
+  state = f"systemctl show --property=ActiveState --value {name}"
+  # The unit appears once the start-up script has installed the run; a restarting run is `activating`.
+  remote = (f"{journal} & J=$!; until systemctl cat {name} >/dev/null 2>&1; do sleep 10; done; "
+            f"while [ \"$({state})\" != inactive ] && [ \"$({state})\" != failed ]; do sleep 5; done; "
             f"sleep 2; kill $J")
-  runner.run(ssh(args, remote, worker=str(args.log_worker)), check=False)
+  runner.run(ssh(args, nodes(args)[0], remote, worker_id=str(args.log_worker)), check=False)
 
 
 def stop(args, runner: Runner) -> None:
-  runner.run(ssh(args, f"sudo systemctl kill --signal=SIGTERM {unit(args)} 2>/dev/null || true"))
+  for node in nodes(args):
+    runner.run(ssh(args, node, f"sudo systemctl kill --signal=SIGTERM {unit(args)} 2>/dev/null || true"))
+  runner.note("the run saved and stopped; a worker's next boot starts it again (`delete` when it is done)")
 
 
 def delete(args, runner: Runner) -> None:
-  runner.run(_gcloud(args, "delete", args.name, "--quiet"))
+  if args.queued:  # --force deletes the slices with the request
+    runner.run(_queued(args, "delete", "--force", "--quiet"))
+  else:
+    runner.run(_gcloud(args, "delete", args.name, "--quiet"))
+
+
+def queue(args, runner: Runner, script: str = None) -> None:
+  runner.run(queue_command(args, script or startup_file(args, runner)))
+  slices = f" --slices={args.slices}" if args.slices > 1 else ""
+  runner.note("each worker starts the run when its slice boots; follow it with "
+              f"`python launch/tpu_pod.py logs --queued{slices} --name={args.name} --zone={args.zone}`")
+
+
+def queued_state(args, runner: Runner, quiet: bool = False):
+  return runner.output(_queued(args, "describe", "--format=value(state.state)"), quiet=quiet)
+
+
+def watch(args, runner: Runner) -> None:
+  """Keeps the queued resource alive: queued again whenever it is SUSPENDED or FAILED, until it is deleted."""
+  script = startup_file(args, runner)
+  if queued_state(args, runner) is None:
+    runner.note(f"if `describe` fails, {args.name} is not queued yet and is queued now:")
+    stage(args, runner)
+    queue(args, runner, script)
+  runner.note(f"then every {args.poll_s:g} s: when the state is {' or '.join(REQUEUE_STATES)} (a Spot slice "
+              "preempted, a request that failed), it is deleted and queued again; the new slice's start-up "
+              "script resumes the run from its workdir:")
+  requeue = [_queued(args, "delete", "--force", "--quiet"), queue_command(args, script)]
+  if runner.dry_run:
+    for cmd in requeue:
+      runner.run(cmd)
+    return
+  last, missing, pending = None, 0, False  # pending: a re-queue whose `create` has not gone through yet
+  while True:
+    time.sleep(args.poll_s)
+    state = queued_state(args, runner, quiet=True)
+    if state is not None and state != last:
+      runner.note(f"{time.strftime('%H:%M:%S')} {args.name}: {state}")
+      last = state
+    if state is None and pending:  # deleted by us, not queued again yet: try again
+      pending = runner.run(requeue[1], check=False) != 0
+    elif state is None:
+      missing += 1
+      if missing >= 3:
+        raise SystemExit(f"the queued resource {args.name} could not be described 3 times running (deleted?): "
+                         "stopped watching")
+    elif state in REQUEUE_STATES:
+      missing = 0
+      runner.run(requeue[0], check=False)
+      pending = runner.run(requeue[1], check=False) != 0
+    else:
+      missing = 0
 
 
 def main(argv: Sequence[str] = None) -> int:
   args = parse(sys.argv[1:] if argv is None else argv)
   runner = Runner(args.dry_run)
-  steps = {"up": (create, install, start, follow), "create": (create,), "install": (install,),
-           "run": (start, follow), "logs": (follow,), "stop": (stop,), "delete": (delete,)}[args.action]
-  for step in steps:
-    step(args, runner)
+  if args.action == "up":
+    stage(args, runner)
+    if not create_vm(args, runner):
+      restart_on_workers(args, runner)
+    follow(args, runner)
+  elif args.action == "create":
+    stage(args, runner)
+    if not create_vm(args, runner):
+      runner.note(f"nothing changed on {args.name}: `run` restarts its run with this checkout and command")
+  else:
+    steps = {"run": (stage, restart_on_workers, follow), "queue": (stage, queue), "watch": (watch,),
+             "logs": (follow,), "stop": (stop,), "delete": (delete,)}[args.action]
+    for step in steps:
+      step(args, runner)
   return 0
 
 
