@@ -161,6 +161,33 @@ def test_remat_does_not_change_values(policy):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), base[1], remat[1])
 
 
+def _grad_jaxpr_lines(policy: str):
+  cfg = tiny_model(remat_policy=policy).with_vocab(300)
+  params = nn.unbox(init(tiny_model())[2])["params"]
+  batch = dummy_batch(2, 16)
+  return str(jax.make_jaxpr(jax.grad(lambda p: jnp.mean(Decoder(cfg).apply({"params": p}, batch) ** 2)))(params))
+
+
+@pytest.mark.parametrize("policy", ["full", "minimal", "save_dots", "offload"])
+def test_offload_keeps_each_layers_input_in_host_memory_and_only_it(policy):
+  """Under 'offload' the forward pass moves each layer's input [batch, length, embed] to host memory (a
+  device_put to MemorySpace.Host), the layer scan's saved residual is those inputs stacked over the layers
+  in host memory, and the backward pass moves them back; no other policy puts anything on the host. (XLA's
+  CPU backend lowers the placement away, so the check is on the program as jax traces it; on TPU the
+  compiled program holds the copies.)"""
+  text = _grad_jaxpr_lines(policy)
+  layers, batch, length, embed = 2, 2, 16, 32
+  to_host = text.count("devices=(MemorySpace.Host,)")
+  to_device = text.count("devices=(MemorySpace.Device,)")
+  stacked = text.count(f"f32<host>[{layers},{batch},{length},{embed}]")
+  if policy == "offload":
+    assert to_host == 1 and to_device == 1 and stacked >= 1, (to_host, to_device, stacked)
+    assert "<host>" not in text.replace(f"f32<host>[{batch},{length},{embed}]", "").replace(
+        f"f32<host>[{layers},{batch},{length},{embed}]", "")  # nothing but the layer inputs
+  else:
+    assert "<host>" not in text and to_host == 0
+
+
 def test_bf16_compute_keeps_f32_params_and_logits():
   cfg, model, variables = init(tiny_model(dtype="bfloat16"))
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nn.unbox(variables)))
