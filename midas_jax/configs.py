@@ -47,7 +47,8 @@ class ModelConfig:
   qkv_bias: llama family only: biases on the query, key and value projections (Qwen2's layout).
   attention: "dot_product" (XLA, with a dense [batch, 1, T, T] mask), "flash" (the fused Pallas
     kernels of model/kernels/: nothing of size T x T stored, fully masked blocks skipped) or "auto"
-    (flash on TPU and GPU, dot_product on CPU). See model/attention.py.
+    (flash on TPU; dot_product on CPU, and on GPU until the Triton kernels have run on one). See
+    model/attention.py.
   """
 
   family: str = "llama"

@@ -16,7 +16,8 @@ otherwise be undefined). Implementations (ModelConfig.attention):
                XLA): the reference, and the fastest on CPU;
   flash        the fused Pallas kernels of model/kernels/ (TPU: Mosaic, GPU: Triton, CPU: interpreted):
                no [batch, heads, T, T] tensor, fully masked blocks skipped;
-  auto         flash on TPU and GPU, dot_product on CPU.
+  auto         flash on TPU; dot_product on CPU and on GPU, where the Triton kernels have been lowered
+               but never run (ask for flash there to try them).
 """
 
 from __future__ import annotations
@@ -113,14 +114,17 @@ def make_attention_mask(segment_ids: jax.Array, positions: jax.Array,
 
 
 def resolve(implementation: str, platform: Optional[str] = None) -> str:
-  """'auto' -> 'flash' on TPU and GPU, 'dot_product' on CPU; other names unchanged.
+  """'auto' -> 'flash' on TPU, 'dot_product' elsewhere; other names unchanged.
+
+  On GPU the flash kernels (Pallas on Triton) have been lowered but never compiled by Triton or run,
+  so 'auto' takes the dense path there, which has (it is XLA's ops, as on CPU), until they have.
 
   platform: where the program will run (a mesh's devices know it); None takes jax's default backend,
   which is wrong when compiling ahead of time for another platform (bench compile passes it).
   """
   if implementation != "auto":
     return implementation
-  return "dot_product" if (platform or jax.default_backend()) == "cpu" else "flash"
+  return "flash" if (platform or jax.default_backend()) == "tpu" else "dot_product"
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, implementation: str,
