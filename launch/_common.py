@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 Command = Union[str, Sequence[str]]
 CACHE_DIR_VAR = "MIDAS_JAX_CACHE_DIR"  # midas_jax/commands/common.py: the compilation cache's folder or URL
+ACCELERATOR_VAR = "MIDAS_TPU_ACCELERATOR"  # the run sets its libtpu flags by it (midas_jax/tpu_flags.py)
 
 
 def split_midas_args(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -92,6 +93,14 @@ def with_compile_cache(env: Dict[str, str], midas_args: Sequence[str], flag: Opt
     bucket = bucket_of(flag_value(midas_args, "workdir"))
     cache = f"{bucket}/xla_cache" if bucket else None
   return dict(env, **{CACHE_DIR_VAR: cache}) if cache else dict(env)
+
+
+def with_accelerator(env: Dict[str, str], accelerator: Optional[str]) -> Dict[str, str]:
+  """The run's environment naming its TPU accelerator type (MIDAS_TPU_ACCELERATOR), from which the run
+  picks its generation's libtpu flags (midas_jax/tpu_flags.py); an explicit --env wins."""
+  if not accelerator or ACCELERATOR_VAR in env:
+    return dict(env)
+  return dict(env, **{ACCELERATOR_VAR: accelerator})
 
 
 def add_dry_run(parser: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from typing import Dict, List, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (Runner, add_compile_cache, add_dry_run, add_env, parse_env, require_midas_args,  # noqa: E402  pylint: disable=wrong-import-position
-                     split_midas_args, with_compile_cache)
+                     split_midas_args, with_accelerator, with_compile_cache)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACTIONS = ("build", "manifest", "apply", "logs", "delete")
@@ -102,7 +102,8 @@ def slice_shape(accelerator: str, topology: str = None) -> Tuple[str, str, int, 
 def manifest(args) -> Dict:
   """The JobSet, as a dict (rendered as YAML by `to_yaml`)."""
   label, topology, hosts, chips_per_host = args.shape
-  env = dict(with_compile_cache(args.env, args.midas_args, args.compile_cache), PYTHONUNBUFFERED="1")
+  env = dict(with_accelerator(with_compile_cache(args.env, args.midas_args, args.compile_cache), args.accelerator),
+             PYTHONUNBUFFERED="1")
   node_selector = {"cloud.google.com/gke-tpu-accelerator": label, "cloud.google.com/gke-tpu-topology": topology}
   pod = {"restartPolicy": "Never", "hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet",
          "terminationGracePeriodSeconds": STOP_GRACE_S, "nodeSelector": node_selector}

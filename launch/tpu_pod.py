@@ -30,7 +30,7 @@ from typing import List, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (CACHE_DIR_VAR, Runner, add_compile_cache, add_dry_run, add_env, flag_value, parse_env,  # noqa: E402  pylint: disable=wrong-import-position
-                     require_midas_args, split_midas_args, with_compile_cache, workdir_note)
+                     require_midas_args, split_midas_args, with_accelerator, with_compile_cache, workdir_note)
 import _tpu_worker as worker  # noqa: E402  pylint: disable=wrong-import-position
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,7 +150,7 @@ def stage(args, runner: Runner) -> None:
   note = workdir_note(args.midas_args, "worker")
   if note:
     runner.note(note)
-  env = with_compile_cache(args.env, args.midas_args, args.compile_cache)
+  env = with_accelerator(with_compile_cache(args.env, args.midas_args, args.compile_cache), args.accelerator)
   if env.get(CACHE_DIR_VAR):
     runner.note(f"the compilation cache every worker reads: {env[CACHE_DIR_VAR]}")
   archive, service = local_file(args, worker.SOURCE_ARCHIVE), local_file(args, f"{unit(args)}.service")

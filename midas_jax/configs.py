@@ -21,6 +21,7 @@ REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "offload")
 DTYPES = ("float32", "bfloat16")
 ATTENTION = ("auto", "dot_product", "flash")
 MATMUL_OPERANDS = ("auto", "compute", "float32")
+TPU_FLAGS = ("auto", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +166,9 @@ class MeshConfig:
   slice the others leave. `rules` maps each logical axis name to a mesh axis, a tuple of mesh axes,
   or None (replicated). `layers` must stay replicated, so growing the depth never changes how the
   other dimensions are laid out.
+  tpu_flags: "auto" sets the libtpu flags this project recommends for the TPU generation named by
+  MIDAS_TPU_ACCELERATOR or TPU_ACCELERATOR_TYPE (the launchers set it), before jax starts; flags in
+  LIBTPU_INIT_ARGS keep their values. "none" leaves LIBTPU_INIT_ARGS as it is (tpu_flags.py).
   """
 
   data: int = -1
@@ -173,8 +177,11 @@ class MeshConfig:
   rules: Tuple[Tuple[str, object], ...] = DEFAULT_RULES
   dcn_data: int = 1
   dcn_fsdp: int = 1
+  tpu_flags: str = "auto"
 
   def __post_init__(self):
+    require(self.tpu_flags in TPU_FLAGS, "MeshConfig.tpu_flags", f"must be one of {TPU_FLAGS}, got {self.tpu_flags!r}",
+            "'auto' sets the generation's recommended libtpu flags; 'none' leaves LIBTPU_INIT_ARGS as it is")
     sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
     for name, size in sizes.items():
       require(size == -1 or (isinstance(size, int) and size > 0), f"MeshConfig.{name}",

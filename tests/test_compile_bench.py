@@ -106,7 +106,8 @@ def test_flash_chunked_loss_and_microbatches_shrink_the_estimate():
   assert "| 4 | flash | refused: temporaries 31.96G > 30.75G | **no** |" in table and table.count("\n") == 2
 
 
-def test_analytic_estimate_for_a_tpu_slice():
+def test_analytic_estimate_for_a_tpu_slice(monkeypatch):
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "")  # a compile for the slice sets its flags here: restored after
   config = _fsdp_run(64, attention="flash")  # 'auto' would pick dot_product for this CPU host's devices
   report = compile_bench.run(config, topology="v5p-16", method="analytic")
   assert report["method"] == "analytic" and report["devices"] == 8 and report["mesh"]["fsdp"] == 8
@@ -119,6 +120,8 @@ def test_analytic_estimate_for_a_tpu_slice():
   auto = compile_bench.run(config, topology="v5p-16")
   if compile_bench.tpu_devices(compile_bench.parse_target("v5p-16"))[0] is None:  # no libtpu here
     assert auto["method"] == "analytic" and "cannot describe a TPU slice" in auto["note"]
+  else:  # the test extra's libtpu: compiled for the slice, with the v5p's libtpu flags set
+    assert auto["method"] == "compiled" and auto["compiled"]["peak"] > 0 and auto["tpu_flags"]
 
 
 def test_remat_policies_order_the_activation_estimate():

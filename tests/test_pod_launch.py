@@ -73,6 +73,7 @@ def test_tpu_pod_up_stages_the_run_and_creates_the_slice_with_a_startup_script()
   exec_start = next(l for l in unit.splitlines() if l.startswith("ExecStart="))
   assert exec_start.endswith(" -m midas_jax " + " ".join(f'"{a}"' for a in GS_MIDAS))
   assert 'Environment="MIDAS_JAX_CACHE_DIR=gs://bucket/xla_cache"' in unit  # the pod's compiles, shared
+  assert 'Environment="MIDAS_TPU_ACCELERATOR=v5p-128"' in unit  # the run's libtpu flags are the v5p's
   assert "--worker=0" in follow
   assert any("journalctl --unit=google-startup-scripts.service --unit=midas-midas" in a for a in follow)
   assert any("does not exist yet" in n for n in notes)
@@ -273,7 +274,8 @@ def test_gke_applies_a_jobset_with_one_pod_per_host_of_every_slice():
   assert container["image"] == "img:v1" and container["command"] == ["python", "-m", "midas_jax", *GS_MIDAS]
   assert container["resources"]["limits"]["google.com/tpu"] == 4
   env = {e["name"]: e["value"] for e in container["env"]}
-  assert env == {"A": "1", "MIDAS_JAX_CACHE_DIR": "gs://bucket/xla_cache", "PYTHONUNBUFFERED": "1"}
+  assert env == {"A": "1", "MIDAS_JAX_CACHE_DIR": "gs://bucket/xla_cache", "MIDAS_TPU_ACCELERATOR": "v5p-128",
+                 "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.mark.parametrize("accelerator,shape", [

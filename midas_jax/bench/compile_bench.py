@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import AbstractMesh, NamedSharding
 
-from midas_jax import flops, sharding
+from midas_jax import flops, sharding, tpu_flags
 from midas_jax.bench import dot_dtypes, memory_model
 from midas_jax.configs import RunConfig
 from midas_jax.data.vocabularies import make_vocabulary
@@ -237,6 +237,9 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
       limit = (devices[0].memory_stats() or {}).get("bytes_limit")  # a GPU's; CPUs report none
       report["hbm"] = report["hbm"] or limit
     elif target.platform == "tpu":
+      # Compiled as the run would be: with its libtpu flags (read when libtpu starts, here).
+      report["tpu_flags"] = tpu_flags.apply(config.mesh.tpu_flags, target.num_slices, model_config.remat_policy,
+                                            accelerator=target.name.split("x", 1)[-1])["added"]
       devices, why = tpu_devices(target)
     else:
       why = "jax cannot compile for GPUs without them"
@@ -286,10 +289,13 @@ def format_report(r: Dict[str, Any]) -> str:
            f"{m['attention']} attention",
            f"batch           {b['global']} x {b['seq_len']} ({b['rows_per_device']} rows per device"
            f"{', in %d microbatches' % b['microbatches'] if b['microbatches'] > 1 else ''}; "
-           f"loss in chunks of {b['loss_chunk'] or b['seq_len']} positions)",
-           "per device      (parameters and optimizer exact, from the shardings)",
-           f"  parameters    {_gib(a['params'])}",
-           f"  optimizer     {_gib(a['optimizer'])}"]
+           f"loss in chunks of {b['loss_chunk'] or b['seq_len']} positions)"]
+  if "tpu_flags" in r:
+    lines.append(f"libtpu flags    {len(r['tpu_flags'])} set for {r['target']} (MeshConfig.tpu_flags; "
+                 "docs/pods.md#tpu-compiler-flags)")
+  lines += ["per device      (parameters and optimizer exact, from the shardings)",
+            f"  parameters    {_gib(a['params'])}",
+            f"  optimizer     {_gib(a['optimizer'])}"]
   if r.get("compile_error"):
     lines.append(f"compiled        {r['target']}: the compiler refused it: {r['compile_error']}")
   elif r["method"] == "compiled":

@@ -13,8 +13,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 
-from midas_jax import fs, gin_config
+from midas_jax import distributed, fs, gin_config, tpu_flags
 from midas_jax.configs import RunConfig
+from midas_jax.console import say
 from midas_jax.errors import ConfigError
 
 Handler = Callable[[argparse.Namespace, List[str]], int]
@@ -79,6 +80,16 @@ def load_run_config(gin_files: Sequence[str], bindings: Sequence[str]) -> Tuple[
   """(the RunConfig the gin files and bindings describe, the operative gin config)."""
   parse_gin(gin_files, bindings)
   return gin_config.run_config_from_gin(), gin_config.operative_config()
+
+
+def start_backend(config: RunConfig, args: argparse.Namespace) -> None:
+  """The libtpu flags of the run's TPU generation (libtpu reads them once, when the TPU backend starts),
+  then the job's processes (jax.distributed), before anything asks jax for a device."""
+  applied = tpu_flags.apply(config.mesh.tpu_flags, config.mesh.num_slices, config.model.remat_policy)
+  if applied["added"]:
+    say(f"libtpu flags for {applied['accelerator']}: {len(applied['added'])} set in {tpu_flags.ENV} "
+        "(MeshConfig.tpu_flags; docs/pods.md#tpu-compiler-flags)")
+  distributed.initialize(args)
 
 
 def refuse_bindings(bindings: Sequence[str], command: str, fix: str) -> None:

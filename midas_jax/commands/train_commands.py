@@ -11,7 +11,7 @@ import json
 
 from midas_jax import compare, distributed, fs
 from midas_jax.commands.common import (CommandGroup, add_gin_flags, enable_compilation_cache, load_run_config,
-                                       profile_binding)
+                                       profile_binding, start_backend)
 from midas_jax.errors import ConfigError
 from midas_jax.train.run import train
 
@@ -41,9 +41,9 @@ def register(root: CommandGroup) -> None:
 def _train(args, bindings) -> int:
   fs.check(args.workdir, "--workdir")  # an unknown scheme fails before anything starts
   bindings = list(bindings) + profile_binding(args.profile)
-  distributed.initialize(args)  # before anything asks jax for its devices
+  config, operative = load_run_config(args.gin_file, bindings)  # touches no device
+  start_backend(config, args)  # libtpu flags, then jax.distributed: before anything asks jax for its devices
   enable_compilation_cache()
-  config, operative = load_run_config(args.gin_file, bindings)
   allowed = [k.strip() for k in args.allow_config_changes.split(",") if k.strip()]
   result = train(config, args.workdir, operative_config=operative, allow_config_changes=allowed)
   print(json.dumps({"steps": result.steps, "preempted": result.preempted, "final_loss": result.final_loss,
@@ -53,9 +53,9 @@ def _train(args, bindings) -> int:
 
 
 def _compare(args, bindings) -> int:
-  distributed.initialize(args)
-  enable_compilation_cache()
   config, operative = load_run_config(args.gin_file, bindings)
+  start_backend(config, args)
+  enable_compilation_cache()
   report = compare.compare(config, args.workdir, operative_config=operative)
   print(report["table"])
   print(f"wall-clock speedup {report['measured_speedup']:.2f}x at {report['flop_ratio']:.2f}x fewer FLOPs; "
