@@ -122,6 +122,7 @@ def test_analytic_estimate_for_a_tpu_slice(monkeypatch):
     assert auto["method"] == "analytic" and "cannot describe a TPU slice" in auto["note"]
   else:  # the test extra's libtpu: compiled for the slice, with the v5p's libtpu flags set
     assert auto["method"] == "compiled" and auto["compiled"]["peak"] > 0 and auto["tpu_flags"]
+    assert sum(auto["compiled"]["reductions_by_depth"].values()) > 0  # FSDP reduces gradients
 
 
 def test_remat_policies_order_the_activation_estimate():

@@ -29,7 +29,7 @@ from jax.experimental import topologies
 from jax.sharding import AbstractMesh, NamedSharding
 
 from midas_jax import flops, sharding, tpu_flags
-from midas_jax.bench import dot_dtypes, memory_model
+from midas_jax.bench import dot_dtypes, hlo_loops, memory_model
 from midas_jax.configs import RunConfig
 from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import ConfigError, require
@@ -173,6 +173,9 @@ def compile_train_step(config: RunConfig, devices: Sequence[Any]) -> Dict[str, A
   text = compiled.as_text() or ""
   memory["kernel_calls"] = sum(text.count(f"custom_call_target=\"{t}\"") for t in KERNEL_TARGETS)
   memory["matmuls"] = dot_dtypes.summary(dot_dtypes.hlo_dots(text))  # outside the kernels: custom calls are opaque
+  # JSON keys are strings: {loops deep: reductions}; one in a loop runs once per trip.
+  memory["reductions_by_depth"] = {str(k): v for k, v in
+                                   hlo_loops.reductions_by_depth(hlo_loops.collectives(text)).items()}
   return memory
 
 
@@ -318,6 +321,13 @@ def format_report(r: Dict[str, Any]) -> str:
                  f"{mm['bfloat16_operand_share']:.1%} of their FLOPs on bfloat16 operands")
     lines += [f"  {row['lhs']} x {row['rhs']} -> {row['result']:<9} {row['count']:>4} matmuls, "
               f"{row['flop_share']:.1%} of FLOPs" for row in mm["by_dtypes"]]
+    depths = r["compiled"].get("reductions_by_depth", {})
+    if depths:
+      place = {"0": "outside loops", "1": "in a loop"}
+      where = ", ".join(f"{n} {place.get(d, f'{d} loops deep')}" for d, n in depths.items())
+      lines.append(f"reductions      all-reduce and reduce-scatter in the optimized program: {where} (one in a "
+                   "loop runs once per trip" + ("; the outermost loop is the microbatches'" if b["microbatches"] > 1
+                                                else "") + ")")
   verdict = "unknown (no memory size for this target; pass --hbm_gib)" if r["fits"] is None else (
       f"{'fits' if r['fits'] else 'does NOT fit'} in {_gib(r['hbm'])} per device "
       f"({'the compiler refused it; analytic' if r.get('compile_error') else r['method']}: {_gib(r['total'])})")
