@@ -103,6 +103,18 @@ def with_accelerator(env: Dict[str, str], accelerator: Optional[str]) -> Dict[st
   return dict(env, **{ACCELERATOR_VAR: accelerator})
 
 
+def parse_pod_args(parser: argparse.ArgumentParser, own: Sequence[str], midas_args: Sequence[str]) -> argparse.Namespace:
+  """The TPU launchers' shared flags (--compile_cache, --env, --dry-run) added, then `own` parsed;
+  the namespace carries the midas command and the environment as a dict."""
+  add_compile_cache(parser)
+  add_env(parser)
+  add_dry_run(parser)
+  args = parser.parse_args(own)
+  args.midas_args = list(midas_args)
+  args.env = parse_env(parser, args.env)
+  return args
+
+
 def add_dry_run(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                       help="print the commands instead of running them")

@@ -25,8 +25,8 @@ import tempfile
 from typing import Dict, List, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (Runner, add_compile_cache, add_dry_run, add_env, parse_env, require_midas_args,  # noqa: E402  pylint: disable=wrong-import-position
-                     split_midas_args, with_accelerator, with_compile_cache)
+from _common import (Runner, parse_pod_args, require_midas_args, split_midas_args,  # noqa: E402  pylint: disable=wrong-import-position
+                     with_accelerator, with_compile_cache)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACTIONS = ("build", "manifest", "apply", "logs", "delete")
@@ -57,12 +57,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
   parser.add_argument("--service_account", default=None, help="Kubernetes service account of the pods")
   parser.add_argument("--namespace", default=None)
   parser.add_argument("--out", default=None, help="where apply writes the manifest (default: a temp file)")
-  add_compile_cache(parser)
-  add_env(parser)
-  add_dry_run(parser)
-  args = parser.parse_args(own)
-  args.midas_args = midas_args
-  args.env = parse_env(parser, args.env)
+  args = parse_pod_args(parser, own, midas_args)
   if args.action in ("build", "manifest", "apply") and not args.image:
     parser.error(f"`{args.action}` needs --image, e.g. --image=us-docker.pkg.dev/PROJECT/REPO/midas:v1")
   if args.action in ("manifest", "apply"):

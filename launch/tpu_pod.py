@@ -29,7 +29,7 @@ import time
 from typing import List, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (CACHE_DIR_VAR, Runner, add_compile_cache, add_dry_run, add_env, flag_value, parse_env,  # noqa: E402  pylint: disable=wrong-import-position
+from _common import (CACHE_DIR_VAR, Runner, flag_value, parse_pod_args,  # noqa: E402  pylint: disable=wrong-import-position
                      require_midas_args, split_midas_args, with_accelerator, with_compile_cache, workdir_note)
 import _tpu_worker as worker  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -68,12 +68,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                       help="the package's extras to install (setup.py); `tpu` is all a run on a prepared store needs")
   parser.add_argument("--run_name", default="midas", help="names the run's systemd unit on the workers (midas-NAME)")
   parser.add_argument("--log_worker", type=int, default=0, help="the worker (of the first slice) `logs` follows")
-  add_compile_cache(parser)
-  add_env(parser)
-  add_dry_run(parser)
-  args = parser.parse_args(own)
-  args.midas_args = midas_args
-  args.env = parse_env(parser, args.env)
+  args = parse_pod_args(parser, own, midas_args)
   if args.slices < 1:
     parser.error("--slices must be >= 1")
   args.queued = args.queued or args.slices > 1 or args.action in ("queue", "watch")
