@@ -163,6 +163,10 @@ class FaultProxy:
       do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _forward
 
     class Server(http.server.ThreadingHTTPServer):
+      # socketserver listens with a backlog of 5: a burst of new connections (a store's reads ahead open
+      # dozens at once) overflows it, and the kernel drops SYNs that clients resend after 1, 3, 7 s.
+      request_queue_size = 1024
+
       def handle_error(self, request, client_address):  # a client that hung up (it gave up waiting) is no error
         if not isinstance(sys.exc_info()[1], ConnectionError):
           super().handle_error(request, client_address)
