@@ -102,6 +102,21 @@ def test_a_flush_stores_what_was_written_at_once_and_gives_up_in_bounded_time(fa
     assert log.close()
 
 
+def test_a_writer_that_fails_for_another_reason_says_so_at_once(capsys):
+  calls = []
+
+  def upload():
+    calls.append(1)
+    if len(calls) < 3:
+      raise ValueError("a bug in the writer")
+
+  writer = Periodic(upload, interval=0.05, what="gs://b/log", max_pause=0.1, warn_after=600)
+  assert writer.flush(timeout=10)  # retried until it succeeded
+  assert writer.close(timeout=5)
+  out = capsys.readouterr().out
+  assert out.count("is not a storage error (ValueError: a bug in the writer)") == 1 and "refused writes" not in out
+
+
 def test_a_restart_filter_rewrites_the_parts_that_hold_refused_lines(gcs):
   path = gcs.new_bucket() + "/run/log.jsonl"
   log = fs.Appender(path, flush_seconds=1.0, part_chars=50)

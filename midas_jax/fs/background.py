@@ -16,6 +16,7 @@ import time
 from typing import Callable, Optional
 
 from midas_jax.console import say
+from midas_jax.fs import storage_errors
 
 
 def describe(error: BaseException, limit: int = 200) -> str:
@@ -55,11 +56,15 @@ class Periodic:
       number = self._begun
     try:
       self._work()
-    except Exception as e:  # pylint: disable=broad-except  # any storage error: retried, never raised into the run
+    except Exception as e:  # pylint: disable=broad-except  # retried, never raised into the run; said below
       now = time.monotonic()
       self.error = e
       self._failing_since = self._failing_since or now
-      if not self._warned and now - self._failing_since >= self.warn_after:
+      if not self._warned and storage_errors.classify(e) is None and not isinstance(e, OSError):
+        self._warned = True  # not the storage refusing: a fault of this process, said at once
+        say(f"{self.what}: writing failed with an error that is not a storage error ({describe(e)}); "
+            "retried in the background while training goes on")
+      elif not self._warned and now - self._failing_since >= self.warn_after:
         self._warned = True
         say(f"{self.what}: storage has refused writes for {now - self._failing_since:.0f} s ({describe(e)}); "
             "they are kept in memory and retried in the background while training goes on")
