@@ -24,7 +24,7 @@ from typing import Callable, List, Optional, Tuple
 
 from midas_jax.console import say
 from midas_jax.fs import paths
-from midas_jax.fs.background import Periodic, describe
+from midas_jax.fs.background import Periodic
 
 FLUSH_SECONDS = 5.0
 PART_CHARS = 1 << 20
@@ -205,10 +205,8 @@ class Appender:
     if self._uploader is None:
       return True
     uploader, self._uploader = self._uploader, None
-    stored = uploader.close(timeout)
-    if not stored:
-      say(f"{self.path}: {self._backlog} characters of writes could not be stored before exit"
-          + (f" ({describe(uploader.error)})" if uploader.error else " (storage did not answer in time)"))
+    stored = uploader.close(timeout, lost=lambda: f"{self.path}: {self._backlog} characters of writes could not be "
+                                                  "stored before exit")
     if self.dropped:
       say(f"{self.path}: {self.dropped} writes were dropped while storage was refusing them")
     return stored and not self.dropped

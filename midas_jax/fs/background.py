@@ -104,11 +104,16 @@ class Periodic:
         self._done.wait(left)
       return self._succeeded >= wanted
 
-  def close(self, timeout: float) -> bool:
-    """A last attempt (retried for up to `timeout` s) after what is in flight; whether it succeeded."""
+  def close(self, timeout: float, lost: Optional[Callable[[], str]] = None) -> bool:
+    """A last attempt (retried for up to `timeout` s) after what is in flight; whether it succeeded.
+
+    lost: when it did not, what was not written (asked then), said in one line with why."""
     if self._thread.is_alive() and not self._closing:
       self._deadline = time.monotonic() + timeout
       self._closing = True
       self._wake.set()
     self._thread.join(max(self._deadline - time.monotonic(), 0.0))
-    return not self._thread.is_alive() and self.error is None
+    done = not self._thread.is_alive() and self.error is None
+    if not done and lost is not None:
+      say(lost() + (f" ({describe(self.error)})" if self.error else " (storage did not answer in time)"))
+    return done

@@ -15,9 +15,8 @@ import shutil
 import tempfile
 from typing import Dict, Tuple
 
-from midas_jax.console import say
 from midas_jax.fs import paths
-from midas_jax.fs.background import Periodic, describe
+from midas_jax.fs.background import Periodic
 
 CLOSE_SECONDS = 600.0  # a profile trace can be hundreds of MB; an exit waits this long at most
 
@@ -55,9 +54,6 @@ class Mirror:
     if self._uploader is None:
       return True
     uploader, self._uploader = self._uploader, None
-    sent = uploader.close(timeout)
-    if not sent:
-      say(f"{self.target}: the last changes could not be copied there"
-          + (f" ({describe(uploader.error)})" if uploader.error else " (storage did not answer in time)"))
+    sent = uploader.close(timeout, lost=lambda: f"{self.target}: the last changes could not be copied there")
     shutil.rmtree(self.local, ignore_errors=True)
     return sent
