@@ -66,7 +66,10 @@ def test_a_missing_document_or_anchor_is_caught(tmp_path):
   assert len(problems) == 2 and "is not in the repository" in problems[0] and "no heading" in problems[1]
 
 
-def test_configs_import_nothing_of_the_package_but_errors():
-  source = (ROOT / "midas_jax" / "configs.py").read_text()
-  imports = set(re.findall(r"^\s*(?:from|import) (midas_jax[\w.]*)", source, flags=re.M))
-  assert imports == {"midas_jax.errors"}
+def test_configs_import_nothing_of_the_package_but_errors_and_each_other():
+  imports = set()
+  for path in (ROOT / "midas_jax" / "configs").glob("*.py"):
+    imports |= set(re.findall(r"^\s*(?:from|import) (midas_jax[\w.]*)", path.read_text(), flags=re.M))
+  assert {"midas_jax.errors", "midas_jax.configs.model"} <= imports
+  assert imports - {"midas_jax.errors"} <= {f"midas_jax.configs.{name}" for name in
+                                            ("model", "mesh", "optimizer", "data", "trainer", "stacking", "run")}

@@ -1,6 +1,6 @@
 """Checks of a RunConfig that need the stacking operators and schedules.
 
-They sit here rather than in configs.py so that configs.py imports nothing of the package (the
+They sit here rather than in configs/ so that the configs import nothing of the package (the
 operators and schedules import configs). `schedule_for` runs where a run starts (train/run.py, and
 for every arm at once where several are trained: compare.py, the studies), so a bad stacking
 setting stops a run before anything is compiled, and the schedule it checks is the one the run uses.

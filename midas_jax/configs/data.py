@@ -1,0 +1,158 @@
+"""Where tokens come from and what examples are made of them (the UL2 mixture)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+from midas_jax.errors import require
+
+
+SOURCES = ("builtin", "text", "seqio", "prepared")
+ORIGINS = ("builtin", "text", "seqio", "tfds")  # what `midas data prepare` reads into a store
+VOCABS = ("byte", "sentencepiece", "tokenizers")
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectivesConfig:
+  """The UL2 mixture: which objective each example trains (gin/objectives/ holds the mixtures).
+
+  Each example is causal LM, prefix LM or span corruption with probabilities causal_rate,
+  prefix_rate, span_rate (summing to 1; the MIDAS paper's 0.6 / 0.2 / 0.2). A span example draws one
+  (mean span length, noise density) pair from span_denoisers uniformly: the default is T5's
+  R-denoiser (3.0, 0.15); gin/objectives/ul2_full.gin sets UL2's R and X set. mode_tokens prepends
+  [NLU] (R), [NLG] (X) or [S2S] (prefix LM) to the inputs, as UL2 does. Span corruption marks its
+  spans with up to num_sentinels sentinels. Sentinels and mode tokens are the top extra ids of the
+  vocabulary (see data/objectives.py).
+  """
+
+  causal_rate: float = 0.6
+  prefix_rate: float = 0.2
+  span_rate: float = 0.2
+  span_denoisers: Tuple[Tuple[float, float], ...] = ((3.0, 0.15),)
+  mode_tokens: bool = False
+  num_sentinels: int = 100
+
+  def __post_init__(self):
+    s = "ObjectivesConfig."
+    rates = (self.causal_rate, self.prefix_rate, self.span_rate)
+    require(all(r >= 0 for r in rates) and abs(sum(rates) - 1.0) < 1e-6, s + "causal_rate",
+            f"objective rates causal={rates[0]}, prefix={rates[1]}, span={rates[2]} must be >= 0 and sum to 1",
+            "set ObjectivesConfig.causal_rate, prefix_rate and span_rate to add up to 1 (default 0.6 / 0.2 / 0.2)")
+    require(self.span_rate == 0 or len(self.span_denoisers) > 0, s + "span_denoisers",
+            "span_rate > 0 but no span denoisers", "list (mean span length, noise density) pairs")
+    for pair in self.span_denoisers:
+      require(len(pair) == 2 and pair[0] >= 1 and 0 < pair[1] < 1, s + "span_denoisers",
+              f"{pair!r} is not a (mean span length >= 1, 0 < noise density < 1) pair",
+              "write e.g. [(3.0, 0.15), (8.0, 0.5)]")
+    require(self.num_sentinels >= 1, s + "num_sentinels", "must be >= 1", "T5 uses 100")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where tokens come from, and how they are batched (ObjectivesConfig: what examples are made of them).
+
+  source "builtin": the generated corpus (nothing downloaded); "text": local .txt/.jsonl/.gz files
+  (train_files, eval_files: glob patterns); "seqio": a registered seqio Task (seqio_task), read
+  once into a local token cache of at most max_documents documents per split; "prepared": a token
+  store at prepared_dir written by `midas data prepare` (data/store/), read by index, every document
+  once per epoch.
+  batch_size is the global number of rows per step.
+
+  What `midas data prepare` reads: prepared_from (with source "prepared"; otherwise the source
+  itself): "builtin", "text" (train_files / eval_files, also .parquet with the text in column
+  jsonl_field), "seqio" (seqio_task) or "tfds" (tfds_name, tfds_data_dir, the splits
+  tfds_train_split / tfds_eval_split, the text in feature tfds_text_feature). A run on a store checks
+  that the store was prepared with its vocabulary, and from these settings when prepared_from is set.
+  read_threads: ranged reads of a store on gs:// in flight at once per batch read (local stores are read in
+  line). read_ahead: with a store on gs://, the steps whose reads run while a step is built (each read
+  costs a round trip, so several run at once).
+  min_chunk: a row is filled example by example until fewer than min_chunk of its slots remain.
+
+  vocab: "byte", "sentencepiece" (spm_model: a .model file of any special-id layout) or "tokenizers"
+  (tokenizer: a tokenizer.json, or a directory holding one with its tokenizer_config.json). A
+  tokenizer's own ids are kept; extra_ids ids are appended above them for the special tokens it
+  lacks (data/vocab.py). tokenizer may also name the transformers tokenizer files of a SentencePiece
+  model (what `midas import` copies), which `midas export` then writes back.
+  """
+
+  source: str = "builtin"
+  train_files: Tuple[str, ...] = ()
+  eval_files: Tuple[str, ...] = ()
+  jsonl_field: str = "text"
+  vocab: str = "byte"
+  spm_model: Optional[str] = None
+  tokenizer: Optional[str] = None
+  extra_ids: int = 128
+  corpus_seed: int = 0
+  seq_len: int = 256
+  batch_size: int = 16
+  seed: int = 0
+  min_chunk: int = 16
+  seqio_task: Optional[str] = None
+  seqio_train_split: str = "train"
+  seqio_eval_split: str = "validation"
+  max_documents: int = 100_000
+  prefetch: int = 2
+  prepared_dir: Optional[str] = None
+  prepared_from: str = ""
+  tfds_name: Optional[str] = None
+  tfds_data_dir: Optional[str] = None
+  tfds_train_split: str = "train"
+  tfds_eval_split: str = "validation"
+  tfds_text_feature: str = "text"
+  read_threads: int = 64
+  read_ahead: int = 8
+
+  def __post_init__(self):
+    s = "DataConfig."
+    require(self.source != "seqio" or bool(self.seqio_task), s + "seqio_task",
+            "source='seqio' needs a task name", "set DataConfig.seqio_task to a registered seqio Task")
+    require(self.max_documents > 0, s + "max_documents", "must be > 0", "the default is 100000")
+    require(self.prefetch >= 0, s + "prefetch", "must be >= 0", "0 builds batches in the train loop")
+    require(self.source in SOURCES, s + "source", f"unknown source {self.source!r}",
+            f"use one of {SOURCES}")
+    require(self.vocab in VOCABS, s + "vocab", f"unknown vocabulary {self.vocab!r}",
+            f"use one of {VOCABS}")
+    require(self.vocab != "sentencepiece" or bool(self.spm_model), s + "spm_model",
+            "vocab='sentencepiece' needs a model file",
+            "set DataConfig.spm_model, or train one with `midas data train-spm`")
+    require(self.vocab != "tokenizers" or bool(self.tokenizer), s + "tokenizer",
+            "vocab='tokenizers' needs a tokenizer file",
+            "set DataConfig.tokenizer to a tokenizer.json or the directory that holds it")
+    require(self.vocab != "byte" or not self.tokenizer, s + "tokenizer",
+            "is set, but the byte vocabulary has no tokenizer files", "set DataConfig.vocab = 'tokenizers', or unset it")
+    require(self.origin != "text" or len(self.train_files) > 0, s + "train_files",
+            f"{'prepared_from' if self.source == 'prepared' else 'source'}='text' needs training files",
+            "set DataConfig.train_files = ['path/*.txt']")
+    self._check_prepared()
+    require(self.seq_len >= 8, s + "seq_len", f"must be >= 8, got {self.seq_len}", "typical: 256 to 8192")
+    require(self.batch_size > 0, s + "batch_size", "must be > 0", "set a positive global batch size")
+    require(self.seed >= 0, s + "seed", f"must be >= 0, got {self.seed}", "use a non-negative integer")
+    require(self.extra_ids >= 0, s + "extra_ids", f"must be >= 0, got {self.extra_ids}",
+            "128 leaves room for span-corruption sentinels and mode tokens")
+    require(2 <= self.min_chunk <= self.seq_len, s + "min_chunk", "must be in [2, seq_len]",
+            "16 is the default")
+
+  @property
+  def origin(self) -> str:
+    """The source a store is prepared from: prepared_from with source 'prepared', else the source."""
+    return self.prepared_from if self.source == "prepared" else self.source
+
+  def _check_prepared(self) -> None:
+    s = "DataConfig."
+    require(self.source != "prepared" or bool(self.prepared_dir), s + "prepared_dir",
+            "source='prepared' needs the store's folder",
+            "set DataConfig.prepared_dir to the --out of `midas data prepare` (a local path or gs:// URL)")
+    require(self.prepared_from in ("",) + ORIGINS, s + "prepared_from",
+            f"unknown source {self.prepared_from!r} to prepare from", f"use one of {ORIGINS}")
+    require(self.source == "prepared" or not self.prepared_from, s + "prepared_from",
+            f"set with source={self.source!r}", "set DataConfig.source = 'prepared', or leave prepared_from ''")
+    require(self.origin != "seqio" or bool(self.seqio_task), s + "seqio_task",
+            "preparing from seqio needs a task name", "set DataConfig.seqio_task to a registered seqio Task")
+    require(self.origin != "tfds" or bool(self.tfds_name), s + "tfds_name",
+            "preparing from TFDS needs a data set name", "set DataConfig.tfds_name, e.g. 'c4/en:3.0.1'")
+    require(self.read_threads >= 1, s + "read_threads", f"must be >= 1, got {self.read_threads}",
+            "64 suits a store on gs://")
+    require(self.read_ahead >= 0, s + "read_ahead", f"must be >= 0, got {self.read_ahead}",
+            "8 suits a store on gs://; 0 reads each step when it is built")

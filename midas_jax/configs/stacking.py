@@ -1,0 +1,83 @@
+"""Growing depth in stages: how many, how long each, and how a stage is grown."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+from midas_jax.errors import require
+
+
+GROWTH_MOMENTS = ("copy", "zero")
+LR_SCHEDULES = ("global", "rewarm")
+
+
+@dataclasses.dataclass(frozen=True)
+class StackingConfig:
+  """Growing depth in stages (MIDAS, GradStack, or a registered operator).
+
+  num_stages: k, the number of stages; 1 (the default) trains at full depth throughout: the baseline.
+    Stage i has i blocks (start_blocks + i - 1 in general), so the last has num_stages * block_size =
+    ModelConfig.num_layers layers.
+  block_size: b, layers per block; None means num_layers // (num_stages + start_blocks - 1).
+  operator: how a stage is grown from the previous one: "midas" (copy the middle block, ceil(n/2),
+    right after itself), "gradstack" (copy the top block onto the top), or any name registered with
+    midas_jax.stacking.operators.register_operator (e.g. the examples "fresh_block", "gstack").
+  alpha: the Prop-alpha exponent: stage i gets steps proportional to i^alpha (1 = Prop-1, 2 = Prop-2,
+    0 = Equal). Ignored when stage_steps is given.
+  stage_steps: explicit steps per stage (one per stage, each >= 1, summing to TrainerConfig.num_steps).
+  new_moments: what optimizer moments a copied layer starts with: "copy" (its source's) or "zero".
+  lr_schedule: "global" (one schedule over all steps, growth does not touch it) or "rewarm" (after
+    each growth the learning rate warms up again, linearly over rewarm_steps, to the global value).
+  rewarm_steps: the re-warmup length; 0 means OptimizerConfig.warmup_steps.
+  start_blocks: blocks of the first stage (1: growth starts from one block). A run that starts from a
+    model at some depth, e.g. an imported pretrained one (CheckpointConfig.init_from), sets it to that
+    depth / block_size: stage i then has start_blocks + i - 1 blocks, and Prop-alpha gives it steps
+    proportional to that count to the alpha.
+  """
+
+  num_stages: int = 1
+  block_size: Optional[int] = None
+  operator: str = "midas"
+  alpha: float = 1.0
+  stage_steps: Optional[Tuple[int, ...]] = None
+  new_moments: str = "copy"
+  lr_schedule: str = "global"
+  rewarm_steps: int = 0
+  start_blocks: int = 1
+
+  def __post_init__(self):
+    s = "StackingConfig."
+    require(isinstance(self.num_stages, int) and self.num_stages >= 1, s + "num_stages",
+            f"must be a positive int, got {self.num_stages!r}", "use 1 for no growth (the baseline)")
+    require(self.block_size is None or (isinstance(self.block_size, int) and self.block_size >= 1),
+            s + "block_size", f"must be a positive int or None, got {self.block_size!r}",
+            "leave it None for num_layers // num_stages")
+    require(isinstance(self.alpha, (int, float)) and -float("inf") < self.alpha < float("inf"), s + "alpha",
+            f"must be a finite number, got {self.alpha!r}", "1.0 is Prop-1, 2.0 Prop-2, 0.0 Equal")
+    if self.stage_steps is not None:
+      steps = tuple(self.stage_steps)  # gin hands over lists
+      object.__setattr__(self, "stage_steps", steps)
+      require(len(steps) == self.num_stages, s + "stage_steps",
+              f"{len(steps)} entries for num_stages={self.num_stages}", "list one step count per stage")
+      require(all(isinstance(t, int) and t >= 1 for t in steps), s + "stage_steps",
+              f"every stage needs a whole number of steps >= 1, got {steps}",
+              "give each stage at least one step, or drop the stage")
+    require(self.new_moments in GROWTH_MOMENTS, s + "new_moments",
+            f"unknown choice {self.new_moments!r}", f"use one of {GROWTH_MOMENTS}")
+    require(self.lr_schedule in LR_SCHEDULES, s + "lr_schedule",
+            f"unknown choice {self.lr_schedule!r}", f"use one of {LR_SCHEDULES}")
+    require(isinstance(self.rewarm_steps, int) and self.rewarm_steps >= 0, s + "rewarm_steps",
+            f"must be an int >= 0, got {self.rewarm_steps!r}", "0 reuses OptimizerConfig.warmup_steps")
+    require(isinstance(self.operator, str) and bool(self.operator), s + "operator",
+            f"must be an operator name, got {self.operator!r}", "use 'midas' or 'gradstack'")
+    require(isinstance(self.start_blocks, int) and self.start_blocks >= 1, s + "start_blocks",
+            f"must be a positive int, got {self.start_blocks!r}",
+            "use 1 to grow from one block, or the starting model's depth / block_size")
+
+  def resolved_block_size(self, num_layers: int) -> int:
+    blocks = self.num_stages + self.start_blocks - 1  # of the last stage, when each stage adds one
+    return self.block_size if self.block_size is not None else num_layers // blocks
+
+  def resolved_rewarm_steps(self, warmup_steps: int) -> int:
+    return self.rewarm_steps or warmup_steps

@@ -1,0 +1,112 @@
+"""The loop (how long, how often to log and evaluate) and when it saves."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+from midas_jax.errors import require
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  """The loop: how long, how often to log and evaluate, and the MFU denominator.
+
+  peak_flops_per_device: None takes a known accelerator's bf16 peak, or on CPU measures a matmul.
+  progress_bar: None (the default) draws a bar on stderr only when stderr is a terminal; True
+    draws it anyway (into a log file it redraws once a minute), False never.
+  profile_steps: (start, stop) writes a jax.profiler trace of steps start+1 .. stop under
+    <workdir>/profile (`midas train --profile=START:STOP`); None traces nothing.
+  microbatches: gradient accumulation: each step's batch is split into this many microbatches whose
+    gradients are summed in float32 inside the compiled step (the same loss and update as one pass
+    over the whole batch, at the activation memory of one microbatch). DataConfig.batch_size must
+    divide by microbatches x the mesh's data x fsdp.
+  loss_chunk: the loss (cross-entropy and z-loss) runs over the sequence in chunks of this many
+    positions, recomputing each chunk's logits in the backward pass, so the float32 logits are held
+    for one chunk at a time; 0 computes them for the whole sequence at once.
+  shared_filesystem: local paths (the workdir, DataConfig.prepared_dir) are on a filesystem every
+    machine of a multi-machine run mounts (NFS, Filestore, GCS FUSE). Without it such a run refuses
+    local paths at start (train/shared_paths.py); processes on one machine share it anyway.
+  metrics_flush_seconds: on an object store, records are stored by a background thread this often
+    (at least 1 s: GCS takes about one update per second to one object); at a checkpoint save the
+    records so far are stored at once (a resume from it finds them), and a normal exit and a
+    preemption store the rest (train/metrics.py).
+  """
+
+  num_steps: int = 1000
+  seed: int = 0
+  log_every: int = 50
+  eval_every: int = 250
+  eval_batches: int = 4
+  peak_flops_per_device: Optional[float] = None
+  progress_bar: Optional[bool] = None
+  microbatches: int = 1
+  loss_chunk: int = 512
+  profile_steps: Optional[Tuple[int, int]] = None
+  shared_filesystem: bool = False
+  metrics_flush_seconds: float = 5.0
+
+  def __post_init__(self):
+    s = "TrainerConfig."
+    require(isinstance(self.microbatches, int) and self.microbatches >= 1, s + "microbatches",
+            f"must be a positive int, got {self.microbatches!r}", "1 turns gradient accumulation off")
+    require(isinstance(self.loss_chunk, int) and self.loss_chunk >= 0, s + "loss_chunk",
+            f"must be an int >= 0, got {self.loss_chunk!r}", "512 is the default; 0 turns chunking off")
+    if self.profile_steps is not None:
+      ok = len(self.profile_steps) == 2 and 0 <= self.profile_steps[0] < self.profile_steps[1] <= self.num_steps
+      require(ok, s + "profile_steps", f"must be (start, stop) with 0 <= start < stop <= num_steps, got "
+              f"{self.profile_steps}", "trace a few steps after the first compile, e.g. (5, 8)")
+    require(self.num_steps > 0, s + "num_steps", "must be > 0", "set the number of training steps")
+    require(self.log_every > 0, s + "log_every", "must be > 0", "log every N >= 1 steps")
+    require(self.eval_every >= 0, s + "eval_every", "must be >= 0", "0 turns periodic eval off")
+    require(self.eval_batches > 0, s + "eval_batches", "must be > 0", "evaluate on >= 1 batch")
+    require(self.metrics_flush_seconds >= 1, s + "metrics_flush_seconds",
+            f"must be >= 1, got {self.metrics_flush_seconds!r}",
+            "GCS takes about one update per second to one object; 5 is the default")
+
+
+NO_USABLE_SAVE = ("error", "start_fresh")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """When a run saves (orbax, under <workdir>/checkpoints) and which saves it keeps.
+
+  every: save every N steps (0: only at stage boundaries, at the end and on preemption, which
+    always save). keep: the newest saves kept; keep_every: also keep every save whose step is a
+    multiple of this (None: none kept beyond `keep`). async_save: write in a background thread while
+    training goes on (the run always waits for it before exiting).
+  init_from: a params-only export (or a run's workdir) whose parameters start a new run, e.g. an
+    imported Hugging Face model; ignored when the workdir already has checkpoints (resume wins).
+  restore_retries, restore_timeout_s: a restore (or listing of the saves) that meets a storage error (HTTP
+    408/429/5xx, a reset or timed-out connection, refused credentials) is tried again after 1, 2, 4, ... s
+    (at most 60 s apart) up to restore_retries times, and no new try starts restore_timeout_s seconds after
+    the first; then the run stops with the storage error (exit status 75), leaving the save as it is. A try
+    that is running is not cut short: the storage clients retry on their own first (gcsfs about 30 s,
+    tensorstore's array reads up to about 15 minutes).
+  on_no_usable_save: when saves exist and none can be used (each damaged, and set aside), "error" stops the
+    run listing them and why; "start_fresh" starts from step 0 (or init_from) with a warning.
+  """
+
+  every: int = 1000
+  keep: int = 3
+  keep_every: Optional[int] = None
+  async_save: bool = True
+  init_from: Optional[str] = None
+  restore_retries: int = 6
+  restore_timeout_s: float = 600.0
+  on_no_usable_save: str = "error"
+
+  def __post_init__(self):
+    s = "CheckpointConfig."
+    require(self.every >= 0, s + "every", "must be >= 0", "0 saves only at stage ends, the end and preemption")
+    require(self.keep >= 1, s + "keep", "must be >= 1", "keep at least the newest checkpoint")
+    require(self.keep_every is None or self.keep_every >= 1, s + "keep_every", "must be >= 1 or None",
+            "e.g. 10000 keeps every 10000th step's save")
+    require(self.restore_retries >= 0, s + "restore_retries", f"must be >= 0, got {self.restore_retries}",
+            "6 waits out an outage of a few minutes; 0 stops at the first storage error the clients give up on")
+    require(self.restore_timeout_s > 0, s + "restore_timeout_s", f"must be > 0, got {self.restore_timeout_s}",
+            "600 (10 minutes) waits out a short storage outage before the run stops")
+    require(self.on_no_usable_save in NO_USABLE_SAVE, s + "on_no_usable_save",
+            f"must be one of {NO_USABLE_SAVE}, got {self.on_no_usable_save!r}",
+            "'error' stops when every save is damaged; 'start_fresh' starts from step 0 instead")
