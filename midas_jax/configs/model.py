@@ -12,8 +12,9 @@ FAMILIES = ("llama", "gpt2")
 INIT_SCHEMES = ("gpt2", "gamma")
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "offload")
 DTYPES = ("float32", "bfloat16")
-ATTENTION = ("auto", "dot_product", "flash")
+ATTENTION = ("auto", "dot_product", "flash", "cudnn")
 MATMUL_OPERANDS = ("auto", "compute", "float32")
+RESIDUAL_INIT_DEPTHS = ("stage", "final")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +39,21 @@ class ModelConfig:
     share their weights across loop_repeats consecutive applications (1: no looping). Set in training
     for a looped model, or at evaluation to loop a grown model's middle block (model/layer_order.py).
   qkv_bias: llama family only: biases on the query, key and value projections (Qwen2's layout).
+  unroll_layers: unroll the loop over layers in the compiled program (the parameters stay stacked): a longer
+    compile, the same values. XLA's cost model prices a loop's body once, so `midas bench compile` prices
+    the step from unrolled programs (bench/cost_model.py).
+  residual_init_depth: the L of init "gpt2"'s residual scale 1/sqrt(2L): "stage" (the depth of the model being
+    initialized, a stacked run's first stage included) or "final" (the depth a stacked run grows to, which
+    train/build.py's build_stage writes into residual_init_layers for every stage; for an unstacked model the
+    two agree). residual_init_layers: that final depth (None: num_layers); set by build_stage, not by hand.
   attention: "dot_product" (XLA, with a dense [batch, 1, T, T] mask), "flash" (the fused Pallas
-    kernels of model/kernels/: nothing of size T x T stored, fully masked blocks skipped) or "auto"
-    (flash on TPU; dot_product on CPU, and on GPU until the Triton kernels have run on one). See
-    model/attention.py.
+    kernels of model/kernels/: nothing of size T x T stored, fully masked blocks skipped), "cudnn"
+    (NVIDIA GPUs: cuDNN's fused kernel, bfloat16 or float16, head_dim a multiple of 8 up to 128) or
+    "auto" (flash on TPU; cudnn on an NVIDIA GPU where it applies, else dot_product, until the Triton
+    kernels have run on one; dot_product on CPU). See model/attention.py.
+  flash_block_q, flash_block_kv: the flash kernels' query and key/value block sizes, in tokens (None or
+    0: the platform's default, 512 on TPU and 128 elsewhere, capped by the padded sequence length).
+    Multiples of 128, the TPU's tile (model/kernels/flash.py).
   """
 
   family: str = "llama"
@@ -69,6 +81,11 @@ class ModelConfig:
   attention: str = "auto"
   qkv_bias: bool = False
   matmul_operands: str = "auto"
+  unroll_layers: bool = False
+  residual_init_depth: str = "stage"
+  residual_init_layers: Optional[int] = None
+  flash_block_q: Optional[int] = None
+  flash_block_kv: Optional[int] = None
 
   def __post_init__(self):
     s = "ModelConfig."
@@ -76,6 +93,11 @@ class ModelConfig:
             f"use one of {ATTENTION}")
     require(self.matmul_operands in MATMUL_OPERANDS, s + "matmul_operands",
             f"unknown choice {self.matmul_operands!r}", f"use one of {MATMUL_OPERANDS}")
+    for name in ("flash_block_q", "flash_block_kv"):
+      value = getattr(self, name)
+      require(value is None or (isinstance(value, int) and value >= 0 and value % 128 == 0), s + name,
+              f"must be a multiple of 128 tokens (the TPU's tile), got {value!r}",
+              f"set {s}{name} to 128, 256, 512, ..., or None for the platform's default")
     if self.loop_repeats != 1:
       require(self.loop_repeats >= 1 and self.loop_size >= 1 and self.loop_start >= 0
               and self.loop_start + self.loop_size <= self.num_layers, s + "loop_repeats",
@@ -106,6 +128,12 @@ class ModelConfig:
             "choose d_model / num_heads (or head_dim) even")
     require(self.init in INIT_SCHEMES, s + "init", f"unknown init scheme {self.init!r}",
             f"use one of {INIT_SCHEMES}")
+    require(self.residual_init_depth in RESIDUAL_INIT_DEPTHS, s + "residual_init_depth",
+            f"unknown choice {self.residual_init_depth!r}", f"use one of {RESIDUAL_INIT_DEPTHS}")
+    require(self.residual_init_layers is None or (isinstance(self.residual_init_layers, int)
+                                                  and self.residual_init_layers >= 1),
+            s + "residual_init_layers", f"must be None or a positive int, got {self.residual_init_layers!r}",
+            "leave it None: build_stage sets it from the final depth")
     require(self.init_gamma > 0, s + "init_gamma", "must be > 0", "typical values are 0.3 to 1.0")
     require(self.remat_policy in REMAT_POLICIES, s + "remat_policy",
             f"unknown remat policy {self.remat_policy!r}", f"use one of {REMAT_POLICIES}")
@@ -115,6 +143,13 @@ class ModelConfig:
     if self.vocab_size is not None:
       require(self.vocab_size > 0, s + "vocab_size", "must be positive",
               "set it to at least the vocabulary size, or leave it None to take the vocabulary's")
+
+  @property
+  def residual_depth(self) -> int:
+    """The L of the residual projections' init std init_std / sqrt(2L) (ModelConfig.residual_init_depth)."""
+    if self.residual_init_depth == "final" and self.residual_init_layers is not None:
+      return self.residual_init_layers
+    return self.num_layers
 
   @property
   def kv_heads(self) -> int:

@@ -35,7 +35,7 @@ def weight_init(cfg: ModelConfig, fan_in: int, residual: bool = False):
   if cfg.init == "gamma":
     std = float(fan_in) ** -cfg.init_gamma
   else:
-    std = cfg.init_std / math.sqrt(2 * cfg.num_layers) if residual else cfg.init_std
+    std = cfg.init_std / math.sqrt(2 * cfg.residual_depth) if residual else cfg.init_std
   return nn.initializers.normal(stddev=std)
 
 
@@ -112,7 +112,8 @@ class Attention(nn.Module):
     if cache is not None:
       k, v, cache = cache.append(k, v)
     # Initializing only needs the parameters' shapes, and XLA drops the unused output: no kernel.
-    out = attn_lib.attend(q, k, v, mask, "dot_product" if self.is_initializing() else cfg.attention, operands=ops)
+    out = attn_lib.attend(q, k, v, mask, "dot_product" if self.is_initializing() else cfg.attention, operands=ops,
+                          flash_blocks=(cfg.flash_block_q, cfg.flash_block_kv))
     out_kernel = param(self, "out", weight_init(cfg, fan_in=h * hd, residual=True), (h, hd, d),
                        ("heads", "kv", "embed"), cfg)
     y = dot("bthk,hkd->btd", out, out_kernel, dtype, operands=ops)

@@ -49,6 +49,7 @@ def scanned_blocks(cfg: ModelConfig, num_layers: int):
       split_rngs={"params": True},
       in_axes=(nn.broadcast, nn.broadcast),
       length=num_layers,
+      unroll=num_layers if cfg.unroll_layers else 1,
       metadata_params={nn.PARTITION_NAME: "layers"},
   )
 
@@ -66,8 +67,8 @@ class Decoder(nn.Module):
 
   @property
   def attention_implementation(self) -> str:
-    """ModelConfig.attention resolved for `platform`: "dot_product" or "flash"."""
-    return attention.resolve(self.cfg.attention, self.platform)
+    """ModelConfig.attention resolved for `platform`: "dot_product", "flash" or "cudnn"."""
+    return attention.resolve(self.cfg.attention, self.platform, self.cfg.dtype, self.cfg.resolved_head_dim)
 
   def setup(self):
     assert self.cfg.vocab_size is not None, "call ModelConfig.with_vocab() before building the model"
