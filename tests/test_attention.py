@@ -64,7 +64,7 @@ def test_flash_equals_dense_attention_and_its_gradients_on_packed_ul2_rows():
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=(2, 44, heads, 16)), jnp.float32) for heads in (4, 2, 2))
   weights = jnp.asarray(rng.normal(size=(2, 44, 4, 16)), jnp.float32)
-  flash = lambda q, k, v: flash_attention(q, k, v, mask.segment_ids, mask.causal_positions, block=16)
+  flash = lambda q, k, v: flash_attention(q, k, v, mask.segment_ids, mask.causal_positions, block_q=16, block_kv=16)
   (_, out), grads = _outputs_and_gradients(flash, q, k, v, weights)
   (_, ref_out), ref_grads = _outputs_and_gradients(lambda q, k, v: _dense_attention(q, k, v, mask), q, k, v,
                                                    weights)
@@ -90,7 +90,7 @@ def test_the_kernels_never_visit_a_block_no_query_of_theirs_may_see():
   def loss(attend):
     return lambda q, k, v: jnp.sum(jnp.where(second, attend(q, k, v), 0.0) * weights)
 
-  flash = lambda q, k, v: flash_attention(q, k, v, mask.segment_ids, mask.causal_positions, block=16)
+  flash = lambda q, k, v: flash_attention(q, k, v, mask.segment_ids, mask.causal_positions, block_q=16, block_kv=16)
   out = flash(q, *poisoned)
   grads = jax.grad(loss(flash), argnums=(0, 1, 2))(q, *poisoned)
   dense = lambda q, k, v: _dense_attention(q, k, v, mask)
@@ -111,10 +111,11 @@ def test_the_gpu_kernels_lower_to_triton():
   assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dQ, dK/dV
 
 
-def test_auto_is_dot_product_on_cpu_and_flash_elsewhere():
+def test_auto_is_dot_product_on_cpu_flash_on_tpu_and_never_the_unrun_triton_kernels_on_gpu():
   assert attention.resolve("auto", "cpu") == "dot_product"
   assert attention.resolve("auto", "tpu") == "flash"
-  assert attention.resolve("auto", "gpu") == "dot_product"  # the Triton kernels have never run on a GPU
+  assert attention.resolve("auto", "gpu") == "cudnn"  # cuDNN's kernel (tests/test_cudnn_attention.py)
+  assert attention.resolve("auto", "gpu", "float32") == "dot_product"  # not the Triton kernels, never run
   assert attention.resolve("dot_product", "tpu") == "dot_product"
   build = build_lib.build_stage(tiny_run())
   # The Decoder resolves it for its platform (the mesh's); the configs, and so checkpoints, keep "auto".
