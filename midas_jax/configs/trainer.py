@@ -8,6 +8,11 @@ from typing import Optional, Tuple
 from midas_jax.errors import require
 
 
+# 'jsonl' is always on (metrics.jsonl is the record of truth); naming it changes nothing.
+TRACKERS = ("tensorboard", "wandb", "jsonl")
+WANDB_MODES = (None, "online", "offline", "disabled")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
   """The loop: how long, how often to log and evaluate, and the MFU denominator.
@@ -20,7 +25,11 @@ class TrainerConfig:
   microbatches: gradient accumulation: each step's batch is split into this many microbatches whose
     gradients are summed in float32 inside the compiled step (the same loss and update as one pass
     over the whole batch, at the activation memory of one microbatch). DataConfig.batch_size must
-    divide by microbatches x the mesh's data x fsdp.
+    divide by microbatches x the mesh's data x fsdp. The gradient's reductions over the `data` axis
+    (with its cross-slice part) run once per step, after the last microbatch.
+  defer_fsdp_reduction: with microbatches, also reduce over the `fsdp` axis once per step (not once
+    per microbatch and layer), at the memory of the whole parameters and a float32 gradient sum on
+    every device instead of their fsdp shards (docs/training.md#which-gradient-reductions-run-once-per-step).
   loss_chunk: the loss (cross-entropy and z-loss) runs over the sequence in chunks of this many
     positions, recomputing each chunk's logits in the backward pass, so the float32 logits are held
     for one chunk at a time; 0 computes them for the whole sequence at once.
@@ -31,6 +40,12 @@ class TrainerConfig:
     (at least 1 s: GCS takes about one update per second to one object); at a checkpoint save the
     records so far are stored at once (a resume from it finds them), and a normal exit and a
     preemption store the rest (train/metrics.py).
+  trackers: where the records go besides metrics.jsonl (always written: the record of truth), any of
+    TRACKERS: 'tensorboard' (events under <workdir>/tensorboard) and 'wandb' (Weights & Biases, from
+    process 0; `pip install midas_jax[wandb]`). () writes metrics.jsonl alone (train/trackers/).
+  wandb_project, wandb_entity, wandb_name, wandb_tags, wandb_mode: the W&B run's project, entity (None:
+    your default), display name (None: the workdir's name), tags, and mode ('online', 'offline',
+    'disabled'; None: wandb's own default, WANDB_MODE or online).
   """
 
   num_steps: int = 1000
@@ -41,15 +56,25 @@ class TrainerConfig:
   peak_flops_per_device: Optional[float] = None
   progress_bar: Optional[bool] = None
   microbatches: int = 1
+  defer_fsdp_reduction: bool = False
   loss_chunk: int = 512
   profile_steps: Optional[Tuple[int, int]] = None
   shared_filesystem: bool = False
   metrics_flush_seconds: float = 5.0
+  trackers: Tuple[str, ...] = ("tensorboard",)
+  wandb_project: str = "midas_jax"
+  wandb_entity: Optional[str] = None
+  wandb_name: Optional[str] = None
+  wandb_tags: Tuple[str, ...] = ()
+  wandb_mode: Optional[str] = None
 
   def __post_init__(self):
     s = "TrainerConfig."
     require(isinstance(self.microbatches, int) and self.microbatches >= 1, s + "microbatches",
             f"must be a positive int, got {self.microbatches!r}", "1 turns gradient accumulation off")
+    require(isinstance(self.defer_fsdp_reduction, bool), s + "defer_fsdp_reduction",
+            f"must be True or False, got {self.defer_fsdp_reduction!r}",
+            "False keeps the parameters and gradients fsdp-sharded (ZeRO-3)")
     require(isinstance(self.loss_chunk, int) and self.loss_chunk >= 0, s + "loss_chunk",
             f"must be an int >= 0, got {self.loss_chunk!r}", "512 is the default; 0 turns chunking off")
     if self.profile_steps is not None:
@@ -63,6 +88,26 @@ class TrainerConfig:
     require(self.metrics_flush_seconds >= 1, s + "metrics_flush_seconds",
             f"must be >= 1, got {self.metrics_flush_seconds!r}",
             "GCS takes about one update per second to one object; 5 is the default")
+    self._check_trackers()
+
+  def _check_trackers(self):
+    s = "TrainerConfig."
+    for name in ("trackers", "wandb_tags"):  # a single name, or a gin list, as the tuple the frozen config holds
+      value = getattr(self, name)
+      if isinstance(value, (str, list)):
+        object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+    names = self.trackers
+    require(isinstance(names, tuple) and all(isinstance(n, str) for n in names), s + "trackers",
+            f"must be a tuple of names, got {names!r}", f"e.g. ('tensorboard', 'wandb'); the names: {TRACKERS}")
+    unknown = [n for n in names if n not in TRACKERS]
+    require(not unknown, s + "trackers", f"unknown tracker(s) {unknown}", f"choose among {TRACKERS}")
+    require(len(set(names)) == len(names), s + "trackers", f"names a tracker twice: {names!r}", "name each once")
+    require(self.wandb_mode in WANDB_MODES, s + "wandb_mode", f"must be one of {WANDB_MODES}, got "
+            f"{self.wandb_mode!r}", "None leaves it to wandb (WANDB_MODE, else online)")
+    require(isinstance(self.wandb_tags, tuple) and all(isinstance(t, str) for t in self.wandb_tags),
+            s + "wandb_tags", f"must be a tuple of strings, got {self.wandb_tags!r}", "e.g. ('midas', '1b')")
+    require(isinstance(self.wandb_project, str) and self.wandb_project, s + "wandb_project",
+            f"must be a non-empty string, got {self.wandb_project!r}", "e.g. 'midas_jax'")
 
 
 NO_USABLE_SAVE = ("error", "start_fresh")

@@ -66,11 +66,15 @@ class StageBuild:
     with self.context():
       return jax.jit(init, out_shardings=self.layout.shardings)(params)
 
-  def jit_train_step(self):
+  def jit_train_step(self, unroll_microbatches: bool = False):
+    """The jitted train step; unroll_microbatches unrolls its microbatch loop (for the compiler's
+    cost analysis, which counts a loop's body once: bench/cost_model.py)."""
     trainer = self.config.trainer
     step = step_lib.make_train_step(self.model, self.tx, self.lr_schedule, self.config.optimizer.z_loss,
                                     microbatches=trainer.microbatches, loss_chunk=trainer.loss_chunk,
-                                    grad_shardings=self.layout.shardings.params)
+                                    grad_shardings=self.layout.shardings.params,
+                                    defer_fsdp=trainer.defer_fsdp_reduction,
+                                    unroll_microbatches=unroll_microbatches)
     return jax.jit(step, in_shardings=(self.layout.shardings, sharding.batch_sharding(self.mesh)),
                    out_shardings=(self.layout.shardings, sharding.replicated(self.mesh)),
                    donate_argnums=0)
@@ -129,6 +133,13 @@ def learning_rate(config: RunConfig, growth_steps: Sequence[int] = ()) -> optax.
   return optimizer_lib.with_rewarm(schedule, growth_steps, rewarm)
 
 
+def _platform(device) -> str:
+  """A device's platform for ModelConfig.attention = 'auto': jax names AMD GPUs 'gpu' too, but cuDNN is NVIDIA's."""
+  if device.platform == "gpu" and "rocm" in getattr(device.client, "platform_version", "").lower():
+    return "rocm"
+  return device.platform
+
+
 def model_and_layout(config: RunConfig, mesh: Mesh, model_config: ModelConfig, platform: Optional[str] = None,
                      growth_steps: Sequence[int] = ()) -> tuple:
   """(model, optimizer, lr schedule, axis rules, state layout) on `mesh`, checked and allocating nothing.
@@ -139,7 +150,7 @@ def model_and_layout(config: RunConfig, mesh: Mesh, model_config: ModelConfig, p
   """
   sharding.check_divisibility(model_config, mesh, config.data.batch_size, config.trainer.microbatches)
   if platform is None and isinstance(mesh, Mesh):
-    platform = mesh.devices.flat[0].platform
+    platform = _platform(mesh.devices.flat[0])
   model = Decoder(model_config, platform=platform)
   schedule = learning_rate(config, growth_steps)
   tx = optimizer_lib.make_optimizer(config.optimizer, config.trainer.num_steps, schedule)
@@ -160,7 +171,10 @@ def build_stage(config: RunConfig, devices=None, data: Optional[Tuple[Vocabulary
   vocab, pipeline = data or load_data(config)
   model_config = model_config or config.model.with_vocab(vocab.vocab_size)
   if num_layers is not None:
-    model_config = dataclasses.replace(model_config, num_layers=num_layers)
+    # A stage shallower than the final model: a 'final' residual init scales by the depth the run grows to.
+    final = model_config.residual_init_layers or model_config.num_layers
+    model_config = dataclasses.replace(model_config, num_layers=num_layers, residual_init_layers=(
+        final if model_config.residual_init_depth == "final" else model_config.residual_init_layers))
 
   def assemble(model_config: ModelConfig) -> StageBuild:
     model, tx, schedule, rules, layout = model_and_layout(config, mesh, model_config, growth_steps=growth_steps)

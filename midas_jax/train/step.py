@@ -17,6 +17,7 @@ import optax
 
 from midas_jax.data.objectives import OBJECTIVES
 from midas_jax.model import Decoder
+from midas_jax.train import accumulate
 from midas_jax.train_state import TrainState
 
 
@@ -120,11 +121,15 @@ def make_loss_fn(model: Decoder, z_loss: float, loss_chunk: int) -> Callable:
 
 
 def accumulated_gradients(loss_fn: Callable, params, batch: Mapping[str, jax.Array], microbatches: int,
-                          grad_shardings=None) -> Tuple[dict, object]:
+                          grad_shardings=None, defer_fsdp: bool = False,
+                          unroll: bool = False) -> Tuple[dict, object]:
   """(metrics, gradients) of the whole batch, summed over microbatches inside one lax.scan.
 
   Every microbatch's loss is divided by the whole batch's weight, so the sums are the full batch's
   loss and gradient. Gradients accumulate in float32 (in the parameters' shardings when given).
+  With grad_shardings under a mesh (jax.set_mesh), the reductions over the `data` axis (and over
+  `fsdp` with defer_fsdp) run once after the loop, not once per microbatch (train/accumulate.py).
+  unroll: the microbatch loop unrolled, for a compiler's cost analysis (it counts a loop's body once).
   """
   weight_total = _weight_total(batch["loss_weights"])
   grad_fn = jax.grad(loss_fn, has_aux=True)
@@ -132,28 +137,28 @@ def accumulated_gradients(loss_fn: Callable, params, batch: Mapping[str, jax.Arr
     grads, aux = grad_fn(params, batch, weight_total)
     return aux, grads
   micro = split_microbatches(batch, microbatches)
-  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  if grad_shardings is not None:
-    zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
   aux_zeros = loss_and_metrics(_zero_sums(), weight_total, 0.0)[1]
-
-  def body(carry, one):
-    grad_sum, aux_sum = carry
-    grads, aux = grad_fn(params, one, weight_total)
-    grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
-    return (grad_sum, jax.tree.map(jnp.add, aux_sum, aux)), None
-
-  (grads, aux), _ = jax.lax.scan(body, (zeros, aux_zeros), micro)
+  specs = None if grad_shardings is None else jax.tree.map(lambda s: s.spec, grad_shardings)
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = () if specs is None else accumulate.deferred_axes(mesh, microbatches, defer_fsdp)
+  if axes:
+    aux, grads = accumulate.accumulate_deferred(grad_fn, params, micro, weight_total, aux_zeros, specs, axes,
+                                                nn.get_logical_axis_rules(), mesh, unroll)
+    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+  else:
+    aux, grads = accumulate.accumulate(grad_fn, params, micro, weight_total, aux_zeros, grad_shardings, unroll)
   return aux, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
 
 
 def make_train_step(model: Decoder, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     z_loss: float, microbatches: int = 1, loss_chunk: int = 0,
-                    grad_shardings: Optional[object] = None) -> Callable:
+                    grad_shardings: Optional[object] = None, defer_fsdp: bool = False,
+                    unroll_microbatches: bool = False) -> Callable:
   loss_fn = make_loss_fn(model, z_loss, loss_chunk)
 
   def train_step(state: TrainState, batch: Mapping[str, jax.Array]):
-    aux, grads = accumulated_gradients(loss_fn, state.params, batch, microbatches, grad_shardings)
+    aux, grads = accumulated_gradients(loss_fn, state.params, batch, microbatches, grad_shardings, defer_fsdp,
+                                       unroll_microbatches)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(aux, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step))
