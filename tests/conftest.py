@@ -7,6 +7,9 @@ devices=jax.devices()[:1] explicitly.
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu (the test extra) compiles TPU programs ahead of time here; with no TPU to share, every test process
+# may load it at once (otherwise a second one gets a libtpu without its cost model).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import dataclasses  # noqa: E402

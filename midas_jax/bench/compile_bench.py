@@ -29,7 +29,7 @@ from jax.experimental import topologies
 from jax.sharding import AbstractMesh, NamedSharding
 
 from midas_jax import flops, sharding, tpu_flags
-from midas_jax.bench import dot_dtypes, hlo_loops, memory_model
+from midas_jax.bench import cost_model, dot_dtypes, hlo_loops, memory_model
 from midas_jax.configs import RunConfig
 from midas_jax.data.vocabularies import make_vocabulary
 from midas_jax.errors import ConfigError, require
@@ -154,9 +154,8 @@ def batch_bytes(config: RunConfig, rows: int) -> int:
   return sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in shapes.values())
 
 
-def compile_train_step(config: RunConfig, devices: Sequence[Any]) -> Dict[str, Any]:
-  """XLA's memory analysis of the train step compiled for `devices`, allocating nothing, and the
-  compiled program's matmuls by dtype (what the backend runs, after any pass that changed one)."""
+def compiled_train_step(config: RunConfig, devices: Sequence[Any], unroll_microbatches: bool = False):
+  """The train step compiled ahead of time for `devices` from abstract shapes, allocating nothing."""
   mesh = sharding.make_mesh(config.mesh, devices)
   model_config, model, tx, schedule, rules, layout = _parts(config, mesh)
   build = StageBuild(config=config, model_config=model_config, vocab=None, pipeline=None, mesh=mesh,
@@ -164,7 +163,14 @@ def compile_train_step(config: RunConfig, devices: Sequence[Any]) -> Dict[str, A
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                        layout.abstract, layout.shardings)
   with build.context():
-    compiled = build.jit_train_step().lower(state, _batch_spec(config, mesh)).compile()
+    step = build.jit_train_step(unroll_microbatches=True) if unroll_microbatches else build.jit_train_step()
+    return step.lower(state, _batch_spec(config, mesh)).compile()
+
+
+def compile_train_step(config: RunConfig, devices: Sequence[Any]) -> Dict[str, Any]:
+  """XLA's memory analysis of the train step compiled for `devices`, allocating nothing, and the
+  compiled program's matmuls by dtype (what the backend runs, after any pass that changed one)."""
+  compiled = compiled_train_step(config, devices)
   stats = compiled.memory_analysis()
   names = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
            "generated_code_size_in_bytes")
@@ -263,6 +269,8 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
       return report
     memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     report.update(compiled=memory, total=memory["peak"])
+    if target.platform == "tpu":
+      report["predicted"] = _predicted(config, devices, schedule, model_config, target.num_devices)
   else:
     report.update(method="analytic", note=why or "analytic estimate requested")
     report["total"] = analytic["total"]
@@ -271,6 +279,35 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
   report["max_global_batch"] = memory_model.max_global_batch(analytic, micro_rows, hbm, shape[0] * shape[1],
                                                              trainer.microbatches)
   return report
+
+
+def _predicted(config: RunConfig, devices, schedule: StageSchedule, model_config, chips: int) -> Dict[str, Any]:
+  """The TPU compiler's predicted step at every stage depth, and the whole run's seconds (bench/cost_model.py)."""
+  prices = cost_model.priced_depths(
+      config, lambda c: cost_model.price(compiled_train_step(c, devices, unroll_microbatches=c.trainer.microbatches > 1)))
+  out = cost_model.prediction(config, prices, schedule.depths, chips, devices[0].device_kind, model_config)
+  out["run_seconds"] = cost_model.run_seconds(out, schedule.stage_steps, schedule.depths)
+  out["stages"] = [{"depth": d, "steps": n} for d, n in zip(schedule.depths, schedule.stage_steps)]
+  return out
+
+
+def _predicted_lines(predicted: Optional[Dict[str, Any]]) -> List[str]:
+  """The TPU compiler's predicted step, per stage depth; a bound from its cost model, not a measurement."""
+  if not predicted:
+    return []
+  if "unpriced" in predicted:
+    return [f"predicted       none: {predicted['unpriced']}"]
+  lines = ["predicted       the TPU compiler's cost model (a roofline lower bound on the step, not a measured "
+           "time; bench/cost_model.py):"]
+  for stage in predicted["stages"]:
+    s = predicted["steps"][str(stage["depth"])]
+    mfu = "-" if s["mfu_bound"] is None else f"{s['mfu_bound']:.1%}"
+    lines.append(f"  {stage['depth']:>3} layers    {s['seconds'] * 1e3:,.1f} ms a step, "
+                 f"{s['tokens_per_s_per_chip']:,.0f} tokens/s per chip, MFU at most {mfu} "
+                 f"({stage['steps']:,} steps)")
+  if len(predicted["stages"]) > 1:
+    lines.append(f"  whole run     {predicted['run_seconds'] / 3600:,.2f} h of predicted steps")
+  return lines
 
 
 def _gib(n: Optional[float]) -> str:
@@ -328,6 +365,7 @@ def format_report(r: Dict[str, Any]) -> str:
       lines.append(f"reductions      all-reduce and reduce-scatter in the optimized program: {where} (one in a "
                    "loop runs once per trip" + ("; the outermost loop is the microbatches'" if b["microbatches"] > 1
                                                 else "") + ")")
+  lines += _predicted_lines(r.get("predicted"))
   verdict = "unknown (no memory size for this target; pass --hbm_gib)" if r["fits"] is None else (
       f"{'fits' if r['fits'] else 'does NOT fit'} in {_gib(r['hbm'])} per device "
       f"({'the compiler refused it; analytic' if r.get('compile_error') else r['method']}: {_gib(r['total'])})")

@@ -44,6 +44,16 @@ def _fits(r: Optional[Dict[str, Any]]) -> str:
   return "-" if r is None or r["fits"] is None else ("yes" if r["fits"] else "**no**")
 
 
+def _speed(r: Optional[Dict[str, Any]]) -> str:
+  """The TPU compiler's predicted full-depth step: 'ms / tokens/s per chip / MFU bound', or '-'."""
+  steps = (r or {}).get("predicted", {}).get("steps")
+  if not steps:
+    return "-"
+  s = steps[str(max(int(d) for d in steps))]
+  mfu = "-" if s["mfu_bound"] is None else f"{s['mfu_bound']:.0%}"
+  return f"{s['seconds'] * 1e3:,.0f} ms / {s['tokens_per_s_per_chip']:,.0f} / {mfu}"
+
+
 def rows(after: List[Dict[str, Any]], before: List[Dict[str, Any]] = ()) -> List[str]:
   """One markdown line per `after` report, in model then target order."""
   earlier = {_key(r): r for r in before}
@@ -55,13 +65,15 @@ def rows(after: List[Dict[str, Any]], before: List[Dict[str, Any]] = ()) -> List
     out.append(" | ".join([
         "", _size(r), f"`{r['target']}`", f"{b['global']} x {b['seq_len']}", str(b.get("microbatches", 1)),
         r["model"].get("attention", "dot_product"), _peak(old), _fits(old), _peak(r), _fits(r),
-        f"{r['hbm'] / GIB:.0f}", str(old["max_global_batch"]) if old else "-", str(r["max_global_batch"]), ""]).strip())
+        f"{r['hbm'] / GIB:.0f}", str(old["max_global_batch"]) if old else "-", str(r["max_global_batch"]),
+        _speed(old), _speed(r), ""]).strip())
   return out
 
 
 HEADER = ("| model | target | batch | microbatches | attention (after) | before: peak GiB | fits "
-          "| after: peak GiB | fits | HBM GiB | largest batch before | after |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| after: peak GiB | fits | HBM GiB | largest batch before | after "
+          "| predicted step before: time / tokens/s per chip / MFU bound | after |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def table(after: List[Dict[str, Any]], before: List[Dict[str, Any]] = ()) -> str:

@@ -1,0 +1,88 @@
+"""The train step's speed as the TPU compiler predicts it: a roofline bound from XLA's cost model.
+
+A compiled program's `cost_analysis()` gives `optimal_seconds`: the compiler's own lower bound on
+its run time, summed over its instructions from their FLOPs and bytes against the target chip's
+peaks. It is not a measurement: it leaves out what a roofline cannot see (collectives waiting on
+the network, pipeline bubbles, a kernel below its peak), so a real step is slower. It does read the
+program that would run, after fusion and layout, with every FLOP remat recomputes.
+
+Two things the cost model does not do, and how the price is made whole:
+  * it prices a loop's body once, whatever its trip count. The layer loop and the microbatch loop
+    are unrolled for pricing (ModelConfig.unroll_layers; the microbatches by `unroll` of the step);
+  * unrolling a 48-layer model makes a long compile, so the step is priced at depths 2 and 3 and
+    extrapolated: step(L) = step(2) + (L - 2) x (step(3) - step(2)), which holds for a sum over
+    instructions when each added layer adds the same ones. Measured on a 512-wide model for v5p: each
+    layer from the second on adds the same within 6% (the first adds 15% less: depth 1 is not used),
+    and the extrapolation meets the unrolled program at depths 4 and 5 within 1% (tests/test_cost_model.py).
+An instruction it cannot price counts -1 s (a SparseCore call does; the model's mask no longer
+scatters for that reason): a negative price is reported as unpriced, never as a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Sequence
+
+from midas_jax import flops
+from midas_jax.configs import RunConfig
+from midas_jax.device_peak import known_peak_flops
+
+PRICED = ("optimal_seconds", "flops", "bytes accessed")
+
+
+def price(compiled) -> Dict[str, float]:
+  """The cost model's totals of one compiled program (the keys of PRICED); optimal_seconds is -1.0
+  where libtpu gave none (a libtpu loaded while another process holds it has no cost model)."""
+  costs = compiled.cost_analysis() or {}
+  if isinstance(costs, (list, tuple)):  # older jax returned one dict per program
+    costs = costs[0]
+  return {k: float(costs.get(k, -1.0 if k == "optimal_seconds" else 0.0)) for k in PRICED}
+
+
+PRICE_DEPTHS = (2, 3)  # the two depths every step is priced at (the first layer adds less than the others)
+
+
+def extrapolate(prices: Dict[int, Dict[str, float]], depth: int) -> Dict[str, float]:
+  """Per key: the price at `depth` layers, linear through the prices at the two PRICE_DEPTHS."""
+  lo, hi = PRICE_DEPTHS
+  return {k: prices[lo][k] + (depth - lo) * (prices[hi][k] - prices[lo][k]) / (hi - lo) for k in prices[lo]}
+
+
+def priced_depths(config: RunConfig, price_at) -> Dict[int, Dict[str, float]]:
+  """{depth: price} at the PRICE_DEPTHS: price_at(config) compiles and prices one config."""
+  out = {}
+  for depth in PRICE_DEPTHS:
+    model = dataclasses.replace(config.model, num_layers=depth, unroll_layers=True,
+                                loop_start=0, loop_size=0, loop_repeats=1)
+    out[depth] = price_at(dataclasses.replace(config, model=model))
+  return out
+
+
+def prediction(config: RunConfig, prices: Dict[int, Dict[str, float]], depths: Sequence[int], chips: int,
+               device_kind: str, model_config) -> Dict[str, Any]:
+  """The predicted step at each depth: seconds, tokens/s per chip, and the MFU bound (model FLOPs over
+  the chips' bf16 peak for the predicted seconds). `model_config` has the run's vocabulary."""
+  peak = known_peak_flops(device_kind)
+  tokens = config.data.batch_size * config.data.seq_len
+  if any(p["optimal_seconds"] <= 0 for p in prices.values()):
+    return {"unpriced": "the cost model priced no time, or counted an instruction it cannot price as -1 s (if "
+                        "another process holds libtpu, set ALLOW_MULTIPLE_LIBTPU_LOAD=1 to compile ahead of time)",
+            "prices": {str(d): p for d, p in prices.items()}}
+  steps = {}
+  for depth in sorted(set(depths)):
+    priced = extrapolate(prices, depth)
+    seconds = priced["optimal_seconds"]
+    model_flops = flops.train_flops_per_token(model_config, config.data.seq_len, depth) * tokens
+    steps[str(depth)] = {
+        "seconds": seconds, "tokens_per_s_per_chip": tokens / seconds / chips,
+        "mfu_bound": None if peak is None else model_flops / (seconds * peak * chips),
+        "compiler_flops_per_chip": priced["flops"], "model_flops_per_chip": model_flops / chips,
+        "bytes_per_chip": priced["bytes accessed"]}
+  return {"steps": steps, "peak_flops_per_chip": peak, "prices": {str(d): p for d, p in prices.items()}}
+
+
+def run_seconds(prediction_: Dict[str, Any], stage_steps: Sequence[int], depths: Sequence[int]) -> Optional[float]:
+  """A whole (stacked) run's predicted seconds: each stage's steps at its depth's predicted step."""
+  if "steps" not in prediction_:
+    return None
+  return sum(n * prediction_["steps"][str(d)]["seconds"] for n, d in zip(stage_steps, depths))
