@@ -23,6 +23,7 @@ from midas_jax.data.factory import load_data
 from midas_jax.data.samples import sample_records
 from midas_jax.data.store import prepare
 from midas_jax.errors import ConfigError
+from midas_jax.stacking.checks import schedule_for
 
 
 def register(root: CommandGroup) -> None:
@@ -59,6 +60,9 @@ def register(root: CommandGroup) -> None:
 
 def _prepare(args, bindings: List[str]) -> int:
   data = load_run_config(args.gin_file, bindings)[0].data
+  if data.source == "mixture":
+    raise ConfigError("DataConfig.source", "a mixture is prepared source by source",
+                      "run `midas data prepare` once per prepared source, with that source's settings and --out")
   out = args.out or data.prepared_dir
   if not out:
     raise ConfigError("--out", "no output folder given", "pass --out=PATH or set DataConfig.prepared_dir")
@@ -71,7 +75,9 @@ def _prepare(args, bindings: List[str]) -> int:
 
 def _sample(args, bindings: List[str]) -> int:
   distributed.initialize(args)
-  vocabulary, pipeline = load_data(load_run_config(args.gin_file, bindings)[0])
+  config = load_run_config(args.gin_file, bindings)[0]
+  starts = schedule_for(config).starts if config.stacking.stage_mixtures is not None else None
+  vocabulary, pipeline = load_data(config, stage_starts=starts)  # each record names a mixture's source
   index, count = jax.process_index(), jax.process_count()
   out = args.out
   if count > 1:  # each process writes the rows it builds

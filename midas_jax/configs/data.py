@@ -8,9 +8,12 @@ from typing import Optional, Tuple
 from midas_jax.errors import require
 
 
-SOURCES = ("builtin", "text", "seqio", "prepared")
+SOURCES = ("builtin", "text", "seqio", "prepared", "mixture")
+MIXTURE_SOURCES = ("builtin", "text", "prepared")  # what a DataConfig.mixture source may be
+_METRIC_NAMES = ("causal", "prefix", "span")  # the objectives' own `loss/<name>` keys
 ORIGINS = ("builtin", "text", "seqio", "tfds")  # what `midas data prepare` reads into a store
 VOCABS = ("byte", "sentencepiece", "tokenizers")
+CORPUS_HOLDOUTS = ("none", "composition")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,49 @@ class ObjectivesConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MixtureSource:
+  """One source of DataConfig.mixture (data/mixture.py): its name (eval records `loss/<name>`), its
+  weight (normalized over the mixture; StackingConfig.stage_mixtures may set other weights per stage),
+  and where its tokens come from: source "builtin", "text" or "prepared" with the DataConfig settings
+  of the same names. Everything else (vocabulary, seq_len, batch_size, the objectives) is the run's.
+  In gin, a dict: {'name': 'web', 'weight': 0.7, 'source': 'prepared', 'prepared_dir': 'stores/web'}.
+  """
+
+  name: str
+  weight: float = 1.0
+  source: str = "builtin"
+  train_files: Tuple[str, ...] = ()
+  eval_files: Tuple[str, ...] = ()
+  jsonl_field: str = "text"
+  corpus_seed: int = 0
+  prepared_dir: Optional[str] = None
+  prepared_from: str = ""
+
+  def __post_init__(self):
+    s = "MixtureSource."
+    for name in ("train_files", "eval_files"):  # gin and JSON hand over lists, or one bare pattern
+      value = getattr(self, name)
+      object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+    require(isinstance(self.name, str) and bool(self.name) and "/" not in self.name
+            and self.name not in _METRIC_NAMES, s + "name",
+            f"{self.name!r} cannot name a source (metrics are keyed loss/<name>)",
+            f"use a non-empty name without '/' and other than {_METRIC_NAMES}")
+    require(isinstance(self.weight, (int, float)) and 0 <= self.weight < float("inf"), s + "weight",
+            f"source {self.name!r}: must be a finite number >= 0, got {self.weight!r}",
+            "weights are relative: e.g. 0.7 and 0.3, or 7 and 3")
+    require(self.source in MIXTURE_SOURCES, s + "source", f"source {self.name!r}: unknown kind {self.source!r}",
+            f"use one of {MIXTURE_SOURCES}")
+    require(self.source != "text" or len(self.train_files) > 0, s + "train_files",
+            f"source {self.name!r} is 'text' but lists no files", "set its train_files, e.g. ['code/*.jsonl']")
+    require(self.source != "prepared" or bool(self.prepared_dir), s + "prepared_dir",
+            f"source {self.name!r} is 'prepared' but names no store",
+            "set its prepared_dir to the --out of `midas data prepare`")
+    require(self.source == "prepared" or not self.prepared_from, s + "prepared_from",
+            f"source {self.name!r}: set with source={self.source!r}",
+            "leave prepared_from '' unless source is 'prepared'")
+
+
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Where tokens come from, and how they are batched (ObjectivesConfig: what examples are made of them).
 
@@ -56,7 +102,8 @@ class DataConfig:
   (train_files, eval_files: glob patterns); "seqio": a registered seqio Task (seqio_task), read
   once into a local token cache of at most max_documents documents per split; "prepared": a token
   store at prepared_dir written by `midas data prepare` (data/store/), read by index, every document
-  once per epoch.
+  once per epoch; "mixture": the weighted sources of `mixture` (MixtureSource entries or dicts of
+  their fields), each packed row drawn from one of them (data/mixture.py).
   batch_size is the global number of rows per step.
 
   What `midas data prepare` reads: prepared_from (with source "prepared"; otherwise the source
@@ -68,6 +115,10 @@ class DataConfig:
   line). read_ahead: with a store on gs://, the steps whose reads run while a step is built (each read
   costs a round trip, so several run at once).
   min_chunk: a row is filled example by example until fewer than min_chunk of its slots remain.
+
+  corpus_holdout: what the built-in corpus leaves out (data/corpus.py): "none", or "composition": no
+    depth-2 variable chains and no pre-school-math lines, in either split, so the primitives
+    assignment_depth2 and psm measure composing what was trained (one hop; literals and `print`).
 
   vocab: "byte", "sentencepiece" (spm_model: a .model file of any special-id layout) or "tokenizers"
   (tokenizer: a tokenizer.json, or a directory holding one with its tokenizer_config.json). A
@@ -85,6 +136,7 @@ class DataConfig:
   tokenizer: Optional[str] = None
   extra_ids: int = 128
   corpus_seed: int = 0
+  corpus_holdout: str = "none"
   seq_len: int = 256
   batch_size: int = 16
   seed: int = 0
@@ -103,11 +155,14 @@ class DataConfig:
   tfds_text_feature: str = "text"
   read_threads: int = 64
   read_ahead: int = 8
+  mixture: Tuple[MixtureSource, ...] = ()
 
   def __post_init__(self):
     s = "DataConfig."
     require(self.source != "seqio" or bool(self.seqio_task), s + "seqio_task",
             "source='seqio' needs a task name", "set DataConfig.seqio_task to a registered seqio Task")
+    require(self.corpus_holdout in CORPUS_HOLDOUTS, s + "corpus_holdout", f"unknown choice {self.corpus_holdout!r}",
+            f"use one of {CORPUS_HOLDOUTS}")
     require(self.max_documents > 0, s + "max_documents", "must be > 0", "the default is 100000")
     require(self.prefetch >= 0, s + "prefetch", "must be >= 0", "0 builds batches in the train loop")
     require(self.source in SOURCES, s + "source", f"unknown source {self.source!r}",
@@ -126,6 +181,7 @@ class DataConfig:
             f"{'prepared_from' if self.source == 'prepared' else 'source'}='text' needs training files",
             "set DataConfig.train_files = ['path/*.txt']")
     self._check_prepared()
+    self._check_mixture()
     require(self.seq_len >= 8, s + "seq_len", f"must be >= 8, got {self.seq_len}", "typical: 256 to 8192")
     require(self.batch_size > 0, s + "batch_size", "must be > 0", "set a positive global batch size")
     require(self.seed >= 0, s + "seed", f"must be >= 0, got {self.seed}", "use a non-negative integer")
@@ -138,6 +194,28 @@ class DataConfig:
   def origin(self) -> str:
     """The source a store is prepared from: prepared_from with source 'prepared', else the source."""
     return self.prepared_from if self.source == "prepared" else self.source
+
+  def _check_mixture(self) -> None:
+    s = "DataConfig.mixture"
+    entries = []
+    for entry in self.mixture:  # dicts from gin and from a checkpoint's JSON
+      if isinstance(entry, dict):
+        unknown = sorted(set(entry) - {f.name for f in dataclasses.fields(MixtureSource)})
+        require(not unknown and "name" in entry, s, f"entry {entry!r} has unknown fields {unknown} or no name",
+                f"give each source a name and only fields of MixtureSource: "
+                f"{[f.name for f in dataclasses.fields(MixtureSource)]}")
+        entry = MixtureSource(**entry)
+      require(isinstance(entry, MixtureSource), s, f"entry {entry!r} is not a source",
+              "list MixtureSource(...) entries, or dicts such as {'name': 'web', 'source': 'builtin'}")
+      entries.append(entry)
+    object.__setattr__(self, "mixture", tuple(entries))
+    require((self.source == "mixture") == bool(entries), s,
+            f"source={self.source!r} with {len(entries)} mixture sources",
+            "set DataConfig.source = 'mixture' together with DataConfig.mixture, or neither")
+    names = [e.name for e in entries]
+    require(len(set(names)) == len(names), s, f"source names {names} repeat", "give every source its own name")
+    require(not entries or sum(e.weight for e in entries) > 0, s, "every weight is 0",
+            "give at least one source a positive weight")
 
   def _check_prepared(self) -> None:
     s = "DataConfig."

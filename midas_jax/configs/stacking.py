@@ -34,6 +34,9 @@ class StackingConfig:
     model at some depth, e.g. an imported pretrained one (CheckpointConfig.init_from), sets it to that
     depth / block_size: stage i then has start_blocks + i - 1 blocks, and Prop-alpha gives it steps
     proportional to that count to the alpha.
+  stage_mixtures: with DataConfig.mixture, the sources' weights in each stage (one tuple per stage,
+    one weight per source, in the mixture's order; relative, each stage's summing to > 0): the rows of
+    a stage's first step already follow its weights (data/mixture.py). None: the sources' own weights.
   """
 
   num_stages: int = 1
@@ -45,6 +48,7 @@ class StackingConfig:
   lr_schedule: str = "global"
   rewarm_steps: int = 0
   start_blocks: int = 1
+  stage_mixtures: Optional[Tuple[Tuple[float, ...], ...]] = None
 
   def __post_init__(self):
     s = "StackingConfig."
@@ -74,6 +78,17 @@ class StackingConfig:
     require(isinstance(self.start_blocks, int) and self.start_blocks >= 1, s + "start_blocks",
             f"must be a positive int, got {self.start_blocks!r}",
             "use 1 to grow from one block, or the starting model's depth / block_size")
+    if self.stage_mixtures is not None:
+      mixes = tuple(tuple(m) for m in self.stage_mixtures)  # gin hands over lists
+      object.__setattr__(self, "stage_mixtures", mixes)
+      require(len(mixes) == self.num_stages, s + "stage_mixtures",
+              f"{len(mixes)} weight tuples for num_stages={self.num_stages}", "list one weight tuple per stage")
+      require(all(len(m) == len(mixes[0]) for m in mixes), s + "stage_mixtures",
+              f"stages list different numbers of weights: {mixes}", "give every stage one weight per source")
+      require(all(isinstance(w, (int, float)) and 0 <= w < float("inf") for m in mixes for w in m)
+              and all(sum(m) > 0 for m in mixes), s + "stage_mixtures",
+              f"weights must be finite and >= 0 with a positive sum per stage, got {mixes}",
+              "e.g. [(1.0, 0.0), (0.7, 0.3)]: stage 1 on the first source alone, then 70/30")
 
   def resolved_block_size(self, num_layers: int) -> int:
     blocks = self.num_stages + self.start_blocks - 1  # of the last stage, when each stage adds one

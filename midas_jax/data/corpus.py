@@ -30,6 +30,11 @@ all possible prompts (by a hash of the prompt text) out of the training split; a
 prompt falls there is redrawn, and the primitives' evaluation questions are drawn only from there.
 So no evaluation question can be a training line, however many are asked.
 
+Holdout "composition" (DataConfig.corpus_holdout) goes further: its assignment documents are chains of
+depth 0 and 1 only, with no arithmetic lines, in both splits, so the depth-2 and pre-school-math
+primitives ask forms the model never read, made of parts it did (one hop; literals, `print`; sums and
+differences only in the arithmetic word problems). "none" (the default) makes the corpus described above.
+
 Disjointness: no text appears twice in a split or in both splits; validation documents that a
 train document already has are redrawn. No document contains a blank line (text files separate
 documents by blank lines).
@@ -51,6 +56,7 @@ MIXTURE = (("facts", 0.30), ("story", 0.25), ("arithmetic", 0.15), ("assignment"
            ("copy", 0.15))
 NUM_ENTITIES = 300
 HOLD_OUT_MODULUS = 10  # one prompt in ten is held out of the training split
+HOLDOUTS = ("none", "composition")  # DataConfig.corpus_holdout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,9 +203,9 @@ def _trainable(make: Callable[[random.Random], Tuple[str, str]], rng: random.Ran
       return line
 
 
-def _chain_line(rng: random.Random) -> Tuple[str, str]:
+def _chain_line(rng: random.Random, max_depth: int = 2) -> Tuple[str, str]:
   """`a=5; k=2; b=a; print b -> 5`: a chain of `depth` hops from a literal, with literal distractors."""
-  depth = rng.randint(0, 2)
+  depth = rng.randint(0, max_depth)
   names = rng.sample(_LETTERS, depth + 3)
   chain, distractors = names[:depth + 1], names[depth + 1:depth + 1 + rng.randint(1, 2)]
   value = rng.randint(0, 9)
@@ -230,8 +236,12 @@ def _math_line(rng: random.Random) -> Tuple[str, str]:
   return prompt, f"{prompt} {result}"
 
 
-def _assignment_doc(rng: random.Random, w: World, split: str) -> str:
-  """4 to 8 lines; a quarter of them (on average) arithmetic on variables, the rest chains."""
+def _assignment_doc(rng: random.Random, w: World, split: str, holdout: str = "none") -> str:
+  """4 to 8 lines; a quarter of them (on average) arithmetic on variables, the rest chains; under holdout
+  "composition" every line a chain of depth 0 or 1."""
+  if holdout == "composition":
+    return "\n".join(_trainable(functools.partial(_chain_line, max_depth=1), rng, split)
+                     for _ in range(rng.randint(4, 8)))
   return "\n".join(_trainable(_math_line if rng.random() < 0.25 else _chain_line, rng, split)
                    for _ in range(rng.randint(4, 8)))
 
@@ -365,12 +375,14 @@ def kind_counts(split: str) -> Dict[str, int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _documents(split: str, seed: int) -> Tuple[Document, ...]:
+def _documents(split: str, seed: int, holdout: str = "none") -> Tuple[Document, ...]:
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; the built-in corpus has {SPLITS}")
+  if holdout not in HOLDOUTS:
+    raise ValueError(f"unknown corpus holdout {holdout!r}; use one of {HOLDOUTS} (DataConfig.corpus_holdout)")
   w = world(seed)
   # Validation is drawn after train and skips any text train has; train skips its own repeats.
-  seen: Set[str] = set() if split == "train" else {d.text for d in _documents("train", seed)}
+  seen: Set[str] = set() if split == "train" else {d.text for d in _documents("train", seed, holdout)}
   docs: List[Document] = []
   for kind, count in kind_counts(split).items():
     rng = random.Random(f"midas-corpus/{kind}/{split}/{seed}")
@@ -379,7 +391,8 @@ def _documents(split: str, seed: int) -> Tuple[Document, ...]:
       attempts += 1
       if attempts > 10 * count + 100:
         raise RuntimeError(f"corpus kind {kind!r} cannot make {count} distinct documents")
-      text = _GENERATORS[kind](rng, w, split)
+      held = (holdout,) if kind == "assignment" and holdout != "none" else ()  # only assignment reads it
+      text = _GENERATORS[kind](rng, w, split, *held)
       if text in seen:
         continue
       seen.add(text)
@@ -389,9 +402,9 @@ def _documents(split: str, seed: int) -> Tuple[Document, ...]:
   return tuple(docs)
 
 
-def documents(split: str, seed: int = 0) -> List[Document]:
+def documents(split: str, seed: int = 0, holdout: str = "none") -> List[Document]:
   """The documents of `split` ("train" or "validation") for `seed`, in a fixed shuffled order."""
-  return list(_documents(split, seed))
+  return list(_documents(split, seed, holdout))
 
 
 def write_text_files(out_dir: str, seed: int = 0) -> Dict[str, str]:

@@ -1,25 +1,29 @@
 """The vocabulary and the step-addressed pipeline a run's config asks for.
 
 A prepared store is read by index (data/store/); every other source is loaded into memory as token
-documents. seqio Tasks are read once into a token cache (data/seqio_source.py).
+documents. seqio Tasks are read once into a token cache (data/seqio_source.py). A mixture builds one
+pipeline per source and draws each row from one of them (data/mixture.py).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple, Union
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from midas_jax.configs import RunConfig
 from midas_jax.data import seqio_source
+from midas_jax.data.mixture import MixturePipeline, source_config
 from midas_jax.data.pipeline import Pipeline, tokenize_documents
 from midas_jax.data.sources import load_documents
 from midas_jax.data.store.pipeline import PreparedPipeline
 from midas_jax.data.vocab import Vocabulary
 from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.errors import require
 
 SPLITS = ("train", "validation")
-AnyPipeline = Union[Pipeline, PreparedPipeline]
+AnyPipeline = Union[Pipeline, PreparedPipeline, MixturePipeline]
 
 
 def load_token_documents(config: RunConfig, vocab: Vocabulary,
@@ -32,10 +36,22 @@ def load_token_documents(config: RunConfig, vocab: Vocabulary,
   return {split: tokenize_documents(load_documents(config.data, split), vocab) for split in SPLITS}
 
 
-def load_data(config: RunConfig) -> Tuple[Vocabulary, AnyPipeline]:
-  """The vocabulary and the pipeline over the configured source."""
+def load_data(config: RunConfig, stage_starts: Optional[Sequence[int]] = None) -> Tuple[Vocabulary, AnyPipeline]:
+  """The vocabulary and the pipeline over the configured source. stage_starts: the first step of
+  each stage (the run's StageSchedule.starts), which a mixture with StackingConfig.stage_mixtures
+  needs to switch weights at the boundaries."""
   vocab = make_vocabulary(config.data)
+  if config.data.source == "mixture":
+    sources = {s.name: _pipeline(dataclasses.replace(config, data=source_config(config.data, s)), vocab)
+               for s in config.data.mixture}
+    return vocab, MixturePipeline(config.data, sources, config.stacking.stage_mixtures, stage_starts)
+  require(config.stacking.stage_mixtures is None, "StackingConfig.stage_mixtures",
+          f"is set, but DataConfig.source is {config.data.source!r}, not a mixture",
+          "set DataConfig.source = 'mixture' and DataConfig.mixture, or leave stage_mixtures None")
+  return vocab, _pipeline(config, vocab)
+
+
+def _pipeline(config: RunConfig, vocab: Vocabulary) -> Union[Pipeline, PreparedPipeline]:
   if config.data.source == "prepared":
-    return vocab, PreparedPipeline(config.data, vocab, mix=config.objectives)
-  return vocab, Pipeline(config.data, load_token_documents(config, vocab), vocab.vocab_size, vocab,
-                         mix=config.objectives)
+    return PreparedPipeline(config.data, vocab, mix=config.objectives)
+  return Pipeline(config.data, load_token_documents(config, vocab), vocab.vocab_size, vocab, mix=config.objectives)

@@ -4,7 +4,8 @@ Sentinels print as <extra_id_k> and mode tokens as [NLU] / [NLG] / [S2S], so a s
 example reads like T5's documentation. From a prepared store each record also says which document
 of the split the example came from and which of its tokens it used ("document", "start",
 "length": tokens [start, start + length) of that document, before corruption), so coverage can be
-checked from the samples alone.
+checked from the samples alone. From a mixture (data/mixture.py) each record names its row's source
+("source"), and carries the store fields where that source is a prepared store.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def sample_records(pipeline, vocab, steps: int, split: str = "train", process_in
             "target": render(tokens[prefix_len:], vocab, pipeline.special),
             "prefix_tokens": prefix_len, "target_tokens": int(len(tokens) - prefix_len),
         }
-        if sources is not None:
+        if sources is not None and "source" in sources:
+          record["source"] = str(sources["source"][row])
+        if sources is not None and sources["document"][row, s - 1] >= 0:  # < 0: a mixture's in-memory source
           record.update({k: int(sources[k][row, s - 1]) for k in ("document", "start", "length")})
         yield record

@@ -40,7 +40,7 @@ def load_documents(config: DataConfig, split: str) -> List[str]:
   if split not in corpus.SPLITS:
     raise ValueError(f"unknown split {split!r}; use one of {corpus.SPLITS}")
   if config.source == "builtin":
-    return [d.text for d in corpus.documents(split, config.corpus_seed)]
+    return [d.text for d in corpus.documents(split, config.corpus_seed, config.corpus_holdout)]
   if split == "validation" and config.eval_files:
     return read_documents(config.eval_files, "DataConfig.eval_files", config.jsonl_field)
   docs = read_documents(config.train_files, "DataConfig.train_files", config.jsonl_field)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from midas_jax.errors import require
+
 ROW_BITS = 24                  # counters per row: 2**24, far above the ~5 * seq_len a row uses
 MAX_ROWS = 1 << (63 - ROW_BITS)  # positions are int64
 GAMMA = np.uint64(0x9E3779B97F4A7C15)
@@ -59,3 +61,14 @@ def below(u: np.ndarray, n) -> np.ndarray:
   """floor(u * n) for uniforms u and integers 1 <= n < 2**53: uniform on {0, ..., n-1} up to
   n / 2**53. Never n: u <= 1 - 2**-53 keeps u * n at least half a float spacing below n."""
   return (u * n).astype(np.int64)
+
+
+def rows_per_process(batch_size: int, step: int, process_count: int) -> int:
+  """The rows of a `batch_size` global batch each of `process_count` processes reads at `step`,
+  checked: the batch splits evenly, and the step addresses rows of the stream."""
+  require(batch_size % process_count == 0, "DataConfig.batch_size",
+          f"global batch {batch_size} does not split evenly over {process_count} processes",
+          f"use a batch size that is a multiple of {process_count}")
+  limit = MAX_ROWS // batch_size
+  require(0 <= step < limit, "step", f"step {step} is outside [0, {limit:,})", "steps address rows of a 2**39-row stream")
+  return batch_size // process_count

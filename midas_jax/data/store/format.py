@@ -75,7 +75,8 @@ def source_description(config: DataConfig) -> Dict[str, object]:
   """The settings that decide which documents a store holds, for its manifest and fingerprint."""
   kind = config.origin
   if kind == "builtin":
-    return {"kind": kind, "corpus_seed": config.corpus_seed}
+    held = {"corpus_holdout": config.corpus_holdout} if config.corpus_holdout != "none" else {}
+    return {"kind": kind, "corpus_seed": config.corpus_seed, **held}
   if kind == "text":
     return {"kind": kind, "train_files": list(config.train_files), "eval_files": list(config.eval_files),
             "jsonl_field": config.jsonl_field, "holdout_every": HOLDOUT_EVERY}

@@ -150,12 +150,7 @@ class PreparedPipeline:
 
   def _global_rows(self, step: int, process_index: int, process_count: int) -> np.ndarray:
     b = self.config.batch_size
-    require(b % process_count == 0, "DataConfig.batch_size",
-            f"global batch {b} does not split evenly over {process_count} processes",
-            f"use a batch size that is a multiple of {process_count}")
-    require(0 <= step < streams.MAX_ROWS // b, "step", f"step {step} is outside [0, {streams.MAX_ROWS // b:,})",
-            "steps address rows of a 2**39-row stream")
-    per_process = b // process_count
+    per_process = streams.rows_per_process(b, step, process_count)
     return step * b + process_index * per_process + np.arange(per_process)
 
   def batch(self, step: int, split: str = "train", process_index: int = 0,
