@@ -35,6 +35,9 @@ LAZY_LIBRARIES = {
     "matplotlib": "only figures need it, and pyplot picks a backend on import",
     "scipy": "scipy.stats takes half a second to import; only the stacking study's intervals use it",
     "tensorboardX": "a second to import; only process 0 of a run that writes events needs it",
+    "lm_eval": "only `midas eval --suite=lm_eval` runs the harness, and it imports datasets (eval extra)",
+    "wandb": "only a run with TrainerConfig.trackers including 'wandb' imports it (wandb extra)",
+    "huggingface_hub": "only conversion plans shards with it; it comes with transformers (convert extra)",
 }
 
 

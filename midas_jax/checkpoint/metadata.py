@@ -4,7 +4,8 @@ Every save carries JSON metadata (docs/architecture.md#checkpoints-carry-their-m
 config, stage, depth, layer lineage and growths, the data seed and step, and package versions. A
 resume compares the saved config with the new one: operational settings (mesh, logging, evaluation
 cadence, checkpoint policy) may change freely; anything that changes what is trained needs an
-explicit allowance, so a typo cannot silently continue a different experiment.
+explicit allowance, so a typo cannot silently continue a different experiment. A save also holds
+`trackers`: what an experiment tracker needs to continue its run after a resume (the W&B run id).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ FORMAT_VERSION = 1
 OPERATIONAL = ("mesh.", "trainer.log_every", "trainer.eval_every", "trainer.eval_batches",
                "trainer.progress_bar", "trainer.peak_flops_per_device", "trainer.profile_steps",
                "trainer.microbatches", "trainer.loss_chunk", "model.attention", "model.matmul_operands",
-               "data.prefetch", "data.read_threads", "checkpoint.")
+               "data.prefetch", "data.read_threads", "checkpoint.", "trainer.trackers", "trainer.wandb_project",
+               "trainer.wandb_entity", "trainer.wandb_name", "trainer.wandb_tags", "trainer.wandb_mode")
 
 _PACKAGES = ("midas_jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
 

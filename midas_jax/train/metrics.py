@@ -9,7 +9,8 @@ most its last 5 s of records. Read them with `read_metrics`, which concatenates 
 TensorBoard events are derived from the records: they are written through a local directory mirrored
 to the workdir by another background thread (fs.Mirror) and may lag by about 20 s. A resumed run drops
 the records after the step it resumes from and rebuilds the events from the records it kept, so both
-metrics.jsonl and TensorBoard show each step once.
+metrics.jsonl and TensorBoard show each step once. Other trackers (train/trackers/: Weights & Biases)
+get each record after it is queued, and a mark at each growth.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import functools
 import json
 import math
 import sys
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import tqdm
 
@@ -100,11 +101,13 @@ class MetricWriter:
   resume_step: the step a run restarts from; records after it are dropped (the run redoes those
   steps) and the TensorBoard events are rebuilt from the rest. None appends to what is there.
   flush_seconds: on an object store, how often queued records are stored.
+  trackers: more places each record goes (train/trackers/); the writer closes them.
   """
 
   def __init__(self, workdir: str, stdout: bool = True, tensorboard: bool = True,
-               resume_step: Optional[int] = None, flush_seconds: float = FLUSH_SECONDS):
+               resume_step: Optional[int] = None, flush_seconds: float = FLUSH_SECONDS, trackers: Sequence = ()):
     self.workdir = workdir
+    self._trackers = list(trackers)
     fs.makedirs(workdir)
     keep = None if resume_step is None else functools.partial(_at_or_before, step=resume_step)
     self._jsonl = fs.Appender(fs.join(workdir, METRICS_FILE), keep=keep, flush_seconds=flush_seconds)
@@ -138,6 +141,8 @@ class MetricWriter:
     self._jsonl.write(_line({"step": step, "split": split, **values}))
     if self._tensorboard:
       self._add_events(step, split, values)
+    for tracker in self._trackers:
+      tracker.write(step, split, values)
     if self._stdout:
       say(summary_line(step, split, values))
 
@@ -159,6 +164,18 @@ class MetricWriter:
       self._tb_counts[split] = 0
     return self._tb_writers[split]
 
+  def mark_growth(self, step: int, stage: int, depth: int, provenance: Sequence[int]) -> None:
+    """A growth into `stage` at `step` (its record is the "stage" split's): the trackers mark the boundary."""
+    for tracker in self._trackers:
+      tracker.mark_growth(int(step), int(stage), int(depth), [int(p) for p in provenance])
+
+  def tracker_state(self) -> Dict[str, Any]:
+    """What the trackers need to continue their runs after a restart (saved in each checkpoint's metadata)."""
+    state: Dict[str, Any] = {}
+    for tracker in self._trackers:
+      state.update(tracker.resume_state())
+    return state
+
   def flush(self, timeout: float = SAVE_FLUSH_SECONDS) -> bool:
     """Stores the records written so far (waiting up to `timeout` s on an object store); whether they were.
     The TensorBoard events need no flush for a resume: it rebuilds them from the records."""
@@ -175,6 +192,9 @@ class MetricWriter:
     if self._tb_mirror is not None:
       self._tb_mirror.close(timeout)
       self._tb_mirror = None
+    for tracker in self._trackers:
+      tracker.close()
+    self._trackers = []
 
   def __enter__(self) -> "MetricWriter":
     return self
@@ -205,6 +225,12 @@ class NullWriter:
 
   def write(self, step: int, split: str, scalars: Mapping[str, Any]) -> None:
     del step, split, scalars
+
+  def mark_growth(self, step: int, stage: int, depth: int, provenance: Sequence[int]) -> None:
+    del step, stage, depth, provenance
+
+  def tracker_state(self) -> Dict[str, Any]:
+    return {}
 
   def flush(self) -> bool:
     return True

@@ -27,9 +27,10 @@ from midas_jax.data.prefetch import Prefetcher
 from midas_jax.device_peak import peak_flops_per_device
 from midas_jax.errors import NonFiniteLossError
 from midas_jax.stacking.checks import schedule_for
-from midas_jax.train import resume
+from midas_jax.train import resume, trackers
 from midas_jax.train.checkpointer import Checkpointer
 from midas_jax.train.goodput import Goodput
+from midas_jax.train.growth_probe import GrowthProbe
 from midas_jax.train.metrics import MetricWriter, NullWriter, Progress
 from midas_jax.train.preemption import PreemptionGuard
 from midas_jax.train.profiler import StepProfiler
@@ -87,18 +88,22 @@ class TrainingRun:
   """A run from its first (or resumed) step to its last: call `run()` once, then `close()`.
 
   Built from the config alone: the stage schedule (every growth's provenance map included) is
-  computed once here and passed down, as are the data and the final model config.
+  computed once here and passed down, as are the data and the final model config. growth_window > 0
+  records that many steps either side of every growth, step by step (train/growth_probe.py).
   """
 
   def __init__(self, config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] = None,
-               operative_config: str = "", devices=None, allow_config_changes: Sequence[str] = ()):
+               operative_config: str = "", devices=None, allow_config_changes: Sequence[str] = (),
+               growth_window: int = 0):
     check_shared_paths(config, workdir, hosts.machine_count())
+    trackers.check_installed(config.trainer)  # before anything is built or compiled
     self.workdir = prepare_workdir(workdir)
     self.config = config
     self.operative_config = operative_config
     self.primary = jax.process_index() == 0
     self.schedule = schedule_for(config)
-    vocab_and_pipeline = load_data(config)
+    self.probe = GrowthProbe(self.schedule, growth_window)
+    vocab_and_pipeline = load_data(config, stage_starts=self.schedule.starts)  # a mixture's weights switch there
     self._open = contextlib.ExitStack()  # what close() closes, last opened first
     try:
       self._start(checkpointer, vocab_and_pipeline, devices, allow_config_changes)
@@ -130,9 +135,7 @@ class TrainingRun:
         Prefetcher(self.stage.build.host_batch, self.start_step, trainer.num_steps, data.prefetch)))
     # A restart redoes the steps after its checkpoint (or all of them): their records are dropped.
     with self.goodput.timing("logging"):  # a resume rebuilds the events of the records it keeps
-      writer = (MetricWriter(self.workdir, resume_step=self.start_step, flush_seconds=trainer.metrics_flush_seconds)
-                if self.primary else NullWriter())
-    self.writer = self._open.enter_context(contextlib.closing(writer))
+      self.writer = self._open.enter_context(contextlib.closing(self._open_writer()))
     self.progress = self._open.enter_context(contextlib.closing(Progress(
         trainer.num_steps, initial_step=self.start_step, enabled=bar_wanted(trainer.progress_bar) and self.primary)))
     self.profiler = self._open.enter_context(contextlib.closing(
@@ -140,6 +143,23 @@ class TrainingRun:
     self.goodput.add("checkpoint" if self.start_step else "compile", restore_seconds)  # a fresh start compiles its init
     self.window = _Window(self.start_step)
     self.last_loss, self.eval_loss, self.eval_seconds = float("nan"), None, 0.0
+
+  def _open_writer(self):
+    """metrics.jsonl and the trackers of TrainerConfig.trackers, on process 0; nothing on the others."""
+    trainer = self.config.trainer
+    # Every process reads the save's metadata (as a restore does), though only process 0 tracks.
+    saved = (self.checkpointer.metadata(self.start_step).get("trackers", {})
+             if self.start_step and trackers.continue_across_restarts(trainer) else {})
+    if not self.primary:
+      return NullWriter()
+    extra = trackers.open_trackers(trainer, self.workdir, self.resolved, saved, self.controller.growths)
+    try:
+      return MetricWriter(self.workdir, tensorboard="tensorboard" in trainer.trackers, resume_step=self.start_step,
+                          flush_seconds=trainer.metrics_flush_seconds, trackers=extra)
+    except BaseException:
+      for tracker in extra:
+        tracker.close()
+      raise
 
   def _write_start_files(self, accepted_changes: Tuple[str, ...]) -> None:
     if not self.primary:
@@ -188,6 +208,8 @@ class TrainingRun:
     growth = self.controller.growths[-1]
     self._record(step, "stage", {"stage": self.stage.index, "depth": self.stage.depth,
                                  "growth_seconds": growth["seconds"]})
+    with self.goodput.timing("logging"):
+      self.writer.mark_growth(step, self.stage.index, self.stage.depth, growth["provenance"])
     if self._save(state, step, force=True):
       self._store_records()
     self._write_stages(step)
@@ -203,10 +225,13 @@ class TrainingRun:
         wait_start = time.time()
         host = self.batches.get(step)
         self.window.data_wait += time.time() - wait_start
+      snapshot = self.probe.before(state.params, build.layout.logical.params, step)
       with self.goodput.timing("compile") if compiling else contextlib.nullcontext():
         state, metrics = self.stage.train_step(state, sharding.shard_batch(host, build.mesh))
         if compiling:
           jax.block_until_ready(metrics["loss"])
+      if snapshot is not None:
+        self._record(step + 1, "growth", self.probe.after(snapshot, state.params, metrics, step))
     self.window.metrics.append(metrics)
     if compiling:  # time the window from the end of the compiled step
       self.window.start_timer(step + 1)
@@ -241,6 +266,9 @@ class TrainingRun:
     eval_start = time.time()
     with self.goodput.timing("eval"), self.stage.build.context():
       metrics = self.stage.build.evaluate(self.stage.eval_step, state.params)
+      for name, source in getattr(self.pipeline, "sources", {}).items():  # a mixture: each source on its own batches
+        only = dataclasses.replace(self.stage.build, pipeline=source)
+        metrics[f"loss/{name}"] = only.evaluate(self.stage.eval_step, state.params)["loss"]
     self.eval_loss = metrics["loss"]
     self._record(done, "eval", dict(metrics, stage=self.stage.index, depth=self.stage.depth,
                                     cumulative_flops=self.controller.cumulative_flops(done)))
@@ -304,7 +332,8 @@ class TrainingRun:
             "lineage": [r.to_dict() for r in self.schedule.lineage(stage.index)],
             "growths": self.controller.growths, "config": self.resolved, "operative_config": self.operative_config,
             "data": {"seed": data.seed, "step": step, "mixture": self.pipeline.describe()},
-            "versions": metadata_lib.package_versions(), "format": metadata_lib.FORMAT_VERSION}
+            "versions": metadata_lib.package_versions(), "format": metadata_lib.FORMAT_VERSION,
+            "trackers": self.writer.tracker_state()}
 
   def _write_stages(self, step: int) -> None:
     if self.primary:
@@ -316,15 +345,17 @@ class TrainingRun:
 
 
 def train(config: RunConfig, workdir: str, checkpointer: Optional[Checkpointer] = None,
-          operative_config: str = "", devices=None, allow_config_changes: Sequence[str] = ()) -> TrainResult:
+          operative_config: str = "", devices=None, allow_config_changes: Sequence[str] = (),
+          growth_window: int = 0) -> TrainResult:
   """Trains a run, or resumes it from the workdir's latest good checkpoint, growing at stage boundaries.
 
   workdir: a local directory or a gs:// URL; every output goes there through midas_jax.fs.
   checkpointer: None saves orbax checkpoints under <workdir>/checkpoints (config.checkpoint says
   when); pass train.checkpointer.NoCheckpointer() to save nothing. allow_config_changes: settings
   that may differ from the checkpoint's config on resume (checkpoint/metadata.py check_resumable).
+  growth_window: steps recorded one by one either side of every growth (train/growth_probe.py).
   """
-  run = TrainingRun(config, workdir, checkpointer, operative_config, devices, allow_config_changes)
+  run = TrainingRun(config, workdir, checkpointer, operative_config, devices, allow_config_changes, growth_window)
   try:
     return run.run()
   finally:
