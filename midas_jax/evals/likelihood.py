@@ -51,17 +51,22 @@ LENGTH_BUCKET = 32
 SCORES = ("log_likelihood", "forced_choice", "token_accuracy", "exact_match")
 
 
+def causal_rows(tokens: jax.Array, lengths: jax.Array) -> Dict[str, jax.Array]:
+  """A model batch of one causal sequence per row: tokens [B, L], the first lengths[b] of row b real."""
+  b, length = tokens.shape
+  pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+  return {"inputs": tokens, "positions": pos, "segment_ids": (pos < lengths[:, None]).astype(jnp.int32),
+          "prefix_mask": jnp.zeros((b, length), jnp.bool_)}
+
+
 @functools.lru_cache(maxsize=16)
 def _logprob_fn(cfg: ModelConfig, positions: int):
   """jit(params, tokens [B, L], first [B]) -> log-softmax [B, positions, V] at first-1, first, ..."""
   model = Decoder(cfg)
 
   def fn(params, tokens, lengths, first):
-    b, length = tokens.shape
-    pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-    batch = {"inputs": tokens, "positions": pos, "segment_ids": (pos < lengths[:, None]).astype(jnp.int32),
-             "prefix_mask": jnp.zeros((b, length), jnp.bool_)}
-    logits = model.apply({"params": params}, batch).astype(jnp.float32)
+    length = tokens.shape[1]
+    logits = model.apply({"params": params}, causal_rows(tokens, lengths)).astype(jnp.float32)
     at = jnp.clip(first[:, None] - 1 + jnp.arange(positions)[None, :], 0, length - 1)
     picked = jnp.take_along_axis(logits, at[:, :, None], axis=1)
     return jax.nn.log_softmax(picked, axis=-1)
