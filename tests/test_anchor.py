@@ -176,8 +176,8 @@ def test_stage_plans_of_the_arms():
 
 
 def _cell(arm, seed, inferential, symmetric, seen=1.0):
-  return {"arm": arm, "gamma": 0.9, "depth": 4, "seed": seed, "inferential": inferential, "symmetric": symmetric,
-          "seen": seen, "kind": "x"}
+  return {"arm": arm, "gamma": 0.9, "learning_rate": ANCHOR_OPTIMIZER.learning_rate, "depth": 4, "seed": seed,
+          "inferential": inferential, "symmetric": symmetric, "seen": seen, "kind": "x"}
 
 
 def test_the_grid_and_phase_diagram_have_a_row_per_arm_with_seed_means_and_ranges(tmp_path):

@@ -54,11 +54,11 @@ def test_the_study_trains_a_stacked_arm_measures_growth_on_its_own_batches_score
   argv += ["--gin.StackingStudyConfig.seeds=[1, 2]"]  # overrides TINY's [1]
   calls, real_train_cell = [], stacking_study.train_cell
 
-  def train_cell(run, study, arm, seed, *args, cut_short=False):
+  def train_cell(run, study, arm, seed, *args, cut_short=False, **kwargs):
     calls.append((arm, seed))
     if cut_short and seed == 2:
       raise RuntimeError("cut short")
-    return real_train_cell(run, study, arm, seed, *args)
+    return real_train_cell(run, study, arm, seed, *args, **kwargs)
 
   # The first call dies in its second cell: the finished cell is on disk, the study is not.
   monkeypatch.setattr(stacking_study, "train_cell", functools.partial(train_cell, cut_short=True))
@@ -100,7 +100,7 @@ def test_the_study_trains_a_stacked_arm_measures_growth_on_its_own_batches_score
   assert set(midas["primitives"]) == {"assignment_depth0", "copying"}
   fc = midas["primitives"]["copying"]["forced_choice"]
   assert 0 <= fc["ci95"][0] <= fc["value"] <= fc["ci95"][1] <= 1 and fc["chance"] == pytest.approx(1 / 3)
-  jump = result["summary"]["growths"]["midas"][0]["jump"]
+  jump = result["summary"]["lengths"][0]["growths"]["midas"][0]["jump"]
   assert jump["values"] == [pytest.approx(g["growths"][0]["loss_after"] - g["eval_curve"][0]["loss"])
                             for g in (midas, second)]
   page = (tmp_path / "study.md").read_text()
@@ -150,11 +150,13 @@ def test_a_rerun_reuses_the_cells_of_equal_settings_only(tmp_path, repo_root):
   gin_file = os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")
   run, study, _ = stacking_study_from_gin([gin_file], [])
   path = str(tmp_path / "cells.jsonl")
-  write(path, {("midas", 0): _cell("midas", 0, 2.0, 1.0)}, settings(run, study))
+  key = (120, "midas", 3e-3, 0)
+  write(path, {key: _cell("midas", 0, 2.0, 1.0)}, settings(run, study))
   # Settings as a fresh parse computes them (tuples from gin, lists from JSON) compare equal; the
-  # seeds and arms pick cells, they are not settings.
-  assert list(read(path, settings(run, study))) == [("midas", 0)]
-  assert list(read(path, settings(run, dataclasses.replace(study, seeds=(5,))))) == [("midas", 0)]
+  # seeds, arms, lengths and rates pick cells, they are not settings.
+  assert list(read(path, settings(run, study))) == [key]
+  assert list(read(path, settings(run, dataclasses.replace(study, seeds=(5,))))) == [key]
+  assert list(read(path, settings(run, dataclasses.replace(study, steps=(120, 480), learning_rates=(1e-3,))))) == [key]
   assert not read(path, settings(run, dataclasses.replace(study, k_shot=1)))
   assert not read(path, settings(dataclasses.replace(run, trainer=dataclasses.replace(run.trainer, num_steps=240)),
                                  study))
@@ -175,7 +177,8 @@ def test_bad_study_settings_are_named(tmp_path, repo_root, capsys):
 
 def _cell(arm, seed, loss, flops, curve=(), growths=(), fc=0.5):
   scores = {s: {"value": fc, "ci95": [0, 1], "chance": 0.25} for s in stacking_study_page.SCORES}
-  return {"arm": arm, "seed": seed, "steps": 10, "total_flops": flops, "final_eval_loss": loss,
+  return {"arm": arm, "seed": seed, "steps": 10, "length": 120, "learning_rate": 3e-3,
+          "total_flops": flops, "final_eval_loss": loss,
           "train_seconds": 1.0, "eval_curve": list(curve), "growths": list(growths), "primitives": {"copying": scores}}
 
 

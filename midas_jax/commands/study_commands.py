@@ -2,11 +2,13 @@
 
   midas study anchor --gin_file=gin/experiments/anchor_gamma_cpu.gin [--gin.AnchorStudyConfig.K=V ...] --workdir=DIR
   midas study stacking --gin_file=gin/experiments/study_stacking_cpu.gin [--gin.K=V ...] --workdir=DIR
+  midas study stacking --gin_file=gin/experiments/study_length_cpu.gin --workdir=DIR   (the length study)
 
 anchor writes DIR/cells.jsonl (one line per trained cell; a re-run resumes), DIR/anchor_study.json,
-DIR/phase_diagram.png and DIR/operative_config.gin, and prints the grid. stacking writes one run
-per (arm, seed) under DIR/<arm>/seed<seed>/, DIR/cells.jsonl (a re-run resumes), DIR/study.json,
-DIR/study.md with its figures under DIR/study/, and prints the page's tables.
+DIR/phase_diagram.png and DIR/operative_config.gin, and prints the grid and its arms' contrasts. stacking writes one run
+per cell under DIR/[steps<N>/]<arm>/[lr<rate>/]seed<seed>/, DIR/cells.jsonl and DIR/matched.jsonl (a
+re-run resumes), DIR/study.json, DIR/study.md with its figures under DIR/study/, and prints the page's
+tables.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def stacking_study_from_gin(gin_files: Sequence[str],
   _parse(gin_files, bindings, StackingStudyConfig, "gin/experiments/study_stacking_cpu.gin")
   study = gin_config.build(StackingStudyConfig)
   run = gin_config.run_config_from_gin()
-  stacking_study.check_run_config(run)
+  stacking_study.check_run_config(run, study)
   return run, study, gin_config.operative_config()
 
 
@@ -83,9 +85,11 @@ def _anchor(args, bindings) -> int:
   enable_compilation_cache()
   fs.write_text(fs.join(workdir, "operative_config.gin"), operative)
   print(f"anchor study: {config.num_cells} cells ({len(config.arms)} arms x {len(config.gammas)} gammas x "
-        f"{len(config.depths)} depths x {len(config.seeds)} seeds) into {workdir}", flush=True)
+        f"{len(config.rates)} learning rates x {len(config.depths)} depths x {len(config.seeds)} seeds) "
+        f"into {workdir}", flush=True)
   result = anchor_study.run_study(config, workdir, log=lambda line: print(line, flush=True))
   print(anchor_study.format_grid(config, result["grid"]))
+  print(anchor_study.format_contrasts(config, result["contrasts"], result["verdicts"]))
   print(f"phase diagram: {result['phase_diagram']}")
   return 0
 
@@ -95,7 +99,10 @@ def _stacking(args, bindings) -> int:
   workdir = prepare_workdir(args.workdir)
   enable_compilation_cache()
   fs.write_text(fs.join(workdir, "operative_config.gin"), operative)
-  print(f"stacking study: {len(study.arms)} arms x {len(study.seeds)} seeds into {workdir}", flush=True)
+  lengths = list(study.steps) or [run.trainer.num_steps]
+  rates = f" (x {len(study.learning_rates)} peak rates at {min(lengths)} steps)" if study.learning_rates else ""
+  print(f"stacking study: {len(study.arms)} arms{rates} x {len(study.seeds)} seeds x lengths {lengths} steps "
+        f"into {workdir}", flush=True)
   start = time.time()
   result = stacking_study.run_study(run, study, workdir, operative, log=lambda line: print(line, flush=True))
   print(stacking_study_page.printable(result, run))
