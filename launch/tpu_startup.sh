@@ -59,7 +59,8 @@ if [ ! -x "$MIDAS_ROOT/venv/bin/python" ]; then
   "$UV" venv --python "$PYTHON_VERSION" "$MIDAS_ROOT/venv"
 fi
 log "installing midas_jax[$EXTRAS]"
-retry "$UV" pip install -q --python "$MIDAS_ROOT/venv/bin/python" -e "$MIDAS_ROOT/src[$EXTRAS]"
+retry "$UV" pip install -q --python "$MIDAS_ROOT/venv/bin/python" -c "$MIDAS_ROOT/src/requirements/constraints.txt" \
+  -e "$MIDAS_ROOT/src[$EXTRAS]"
 
 sed "s|@MIDAS_ROOT@|$MIDAS_ROOT|g" "$MIDAS_ROOT/$UNIT.service" > "$UNIT_DIR/$UNIT.service"
 systemctl daemon-reload

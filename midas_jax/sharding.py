@@ -57,35 +57,43 @@ def resolve_mesh_shape(cfg: MeshConfig, num_devices: int) -> Tuple[int, int, int
 
 
 def make_mesh(cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """A (data, fsdp, tensor) mesh with Auto axis types (GSPMD-style sharding constraints work).
+  """A (data, fsdp, tensor) mesh with Auto axis types (GSPMD-style sharding constraints work)."""
+  return Mesh(device_grid(cfg, list(jax.devices() if devices is None else devices)), MESH_AXES)
 
-  Device order follows the hardware: on TPU, mesh_utils maps the axes onto the torus so that
-  neighbours along an axis are neighbours on the interconnect; across slices (dcn_data, dcn_fsdp > 1)
-  each slice is one block of the data or fsdp axis, so only those axes' collectives cross DCN.
+
+def device_grid(cfg: MeshConfig, devices: Sequence[jax.Device]) -> np.ndarray:
+  """The devices in mesh order, an array of shape resolve_mesh_shape(cfg, len(devices)).
+
+  Device order follows the hardware: on TPU, mesh_utils maps the axes onto the torus so that neighbours along an
+  axis are neighbours on the interconnect; across slices (dcn_data, dcn_fsdp > 1) jax's create_hybrid_device_mesh
+  makes each slice (by its devices' slice_index) one block of the data or fsdp axis, so only those axes' collectives
+  cross DCN. Devices that carry no slice index (CPU, one GPU node) rehearse slices: consecutive runs of devices
+  stand in for them, laid out the same way.
   """
-  devices = list(jax.devices() if devices is None else devices)
-  ici = resolve_slice_shape(cfg, len(devices))
+  ici, dcn = resolve_slice_shape(cfg, len(devices)), dcn_shape(cfg)
   slices = _slices(devices, cfg.num_slices)
   if len(slices) == 1:
-    return Mesh(_device_grid(ici, slices[0]), MESH_AXES)
-  dcn = dcn_shape(cfg)
-  grids = np.empty(dcn, dtype=object)
+    return _laid_out(ici, lambda: mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True))
+  if len({getattr(d, "slice_index", None) for d in devices}) == len(slices):  # real slices
+    return _laid_out(ici, lambda: mesh_utils.create_hybrid_device_mesh(ici, dcn, devices,
+                                                                      allow_split_physical_axes=True))
+  grids = np.empty(dcn, dtype=object)  # the rehearsal: what create_hybrid_device_mesh does with real slices
   for index, members in zip(np.ndindex(*dcn), slices):
-    grids[index] = _device_grid(ici, members)
-  return Mesh(np.block(grids.tolist()), MESH_AXES)
+    grids[index] = _laid_out(ici, lambda: mesh_utils.create_device_mesh(ici, members, allow_split_physical_axes=True))
+  return np.block(grids.tolist())
 
 
-def _device_grid(shape: Tuple[int, int, int], devices: Sequence[jax.Device]) -> np.ndarray:
+def _laid_out(shape: Tuple[int, int, int], make) -> np.ndarray:
   try:
-    return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return make()
   except (ValueError, NotImplementedError) as e:
     raise ConfigError("MeshConfig", f"data x fsdp x tensor = {shape} cannot be laid onto these devices' "
                       f"interconnect ({str(e).splitlines()[0]})", "choose axis sizes that tile the slice") from e
 
 
 def _slices(devices: Sequence[jax.Device], count: int) -> list:
-  """The devices of each slice, by slice_index; where devices carry none (CPU, one GPU node),
-  consecutive runs of devices stand in for slices, so multi-slice meshes can be rehearsed."""
+  """The devices of each slice, by slice_index (checked here, so that a mismatch names the setting); where devices
+  carry none, or all one, consecutive runs of devices stand in for `count` slices."""
   by_slice: dict = {}
   for d in devices:
     by_slice.setdefault(getattr(d, "slice_index", 0), []).append(d)

@@ -17,20 +17,63 @@ baseline) and grown by MIDAS in 4 stages (each growth copies the middle block ri
 then plots both losses against training FLOPs, shows the grown model's layer similarity, evaluates a
 reasoning primitive and exports the model to Hugging Face transformers. About 5 minutes on a Colab
 CPU; a GPU or TPU runtime is faster. Nothing is downloaded but the packages."""),
-    new_code_cell("""# Install: in Colab, clone the repository first (File > Open notebook > GitHub, or `!git clone <your
-# fork's URL>`), then run this cell from inside the checkout. The conversion extra brings torch (CPU)
-# and transformers for the last section.
-import importlib.util, os, subprocess, sys
+    new_markdown_cell("""## Running it on Colab
+No checkout is needed: set `MIDAS_SOURCE` in the next cell to where pip can fetch midas_jax, a git URL
+(`git+https://github.com/<you>/midas_jax.git`, your fork) or a wheel's URL (`pip wheel --no-deps .` in a checkout
+builds one), then *Runtime > Run all*. The cell installs the package with the conversion extra beside Colab's own
+packages, keeping any version already there that fits setup.py's ranges; if the install replaced a package the
+runtime had already imported (jax at another version, say), it restarts the runtime: run all again then. In a
+checkout, or where midas_jax is installed, it installs nothing.
+
+**On a TPU runtime:** *Runtime > Change runtime type*, pick a TPU, then run all. The first cell sees the TPU
+(`/dev/accel*` or `/dev/vfio`) and adds the `tpu` extra (jax[tpu] with its libtpu, which must match jax);
+`jax.devices()` then lists the TPU cores and the runs below use all of them (MeshConfig data = -1). A GPU runtime
+needs no extra: Colab's jax sees its GPU."""),
+    new_code_cell("""# Install (on Colab without a checkout): midas_jax from MIDAS_SOURCE, a git URL or a wheel's URL.
+MIDAS_SOURCE = "git+https://github.com/YOUR_ORG/midas_jax.git"
+import glob, importlib, importlib.metadata, importlib.util, os, subprocess, sys
+COLAB = "COLAB_RELEASE_TAG" in os.environ or "google.colab" in sys.modules
+
+def checkout_root():
+    path = os.path.abspath(".")
+    while not (os.path.isfile(os.path.join(path, "setup.py")) and os.path.isdir(os.path.join(path, "midas_jax"))):
+        if path == os.path.dirname(path):
+            return None
+        path = os.path.dirname(path)
+    return path
+
+def imported_versions():
+    \"\"\"Distribution -> installed version, for the packages this process has imported.\"\"\"
+    owners = importlib.metadata.packages_distributions()
+    found = {}
+    for dist in {d for name in list(sys.modules) if "." not in name for d in owners.get(name, ())}:
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
 if importlib.util.find_spec("midas_jax") is None:
-    root = os.path.abspath(".")
-    while root != "/" and not os.path.isfile(os.path.join(root, "setup.py")):
-        root = os.path.dirname(root)
-    if root == "/":
-        raise RuntimeError("midas_jax is not installed and this is not a checkout of it: clone the "
-                           "repository and open the notebook from inside it")
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", f"{root}[convert]"])
-    import site; importlib.reload(site)
-import jax
+    root = checkout_root()
+    extras = "convert,tpu" if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*") else "convert"
+    if root is None and "YOUR_ORG" in MIDAS_SOURCE:
+        raise RuntimeError("midas_jax is not installed and this is not a checkout of it: set MIDAS_SOURCE at the "
+                           "top of this cell to your fork's git URL or to a wheel's URL, then run it again")
+    target = ["-e", f"{root}[{extras}]"] if root else [f"midas_jax[{extras}] @ {MIDAS_SOURCE}"]
+    before = imported_versions()
+    print("installing", *target)
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *target])
+    importlib.invalidate_caches()
+    replaced = sorted(d for d, v in before.items() if imported_versions().get(d, v) != v)
+    if replaced:
+        print("the install replaced packages this runtime had already imported:", ", ".join(replaced))
+        if COLAB:
+            print("restarting the runtime: run all again")
+            os.kill(os.getpid(), 9)  # Colab restarts a runtime whose process ends
+        raise RuntimeError("restart the kernel and run this cell again")
+    import site; importlib.reload(site)  # an editable install's path file
+import jax, midas_jax
+print("midas_jax from", os.path.dirname(os.path.dirname(midas_jax.__file__)))
 print("jax", jax.__version__, "devices:", jax.devices())"""),
     new_code_cell("""# The run: gin/experiments/midas_cpu.gin, the README's default job. SMALL (set by the test suite)
 # shrinks it to a smoke test of every cell.

@@ -240,8 +240,11 @@ def test_qwen2_round_trip_and_bfloat16_export(tmp_path):
 def test_shard_plan_and_size_flags():
   sizes = [(3,), (2,), (2, 3), (1,), (1,)]  # 12, 8, 24, 4 and 4 bytes of float32
   tensors = [convert.mapping.HFTensor(f"t{i}", s, None) for i, s in enumerate(sizes)]
-  plan = [[t.name for t in shard] for shard in shards.plan(tensors, 4, 20)]
-  assert plan == [["t0", "t1"], ["t2"], ["t3", "t4"]]  # in order; the 24-byte tensor alone
+  plan = {name: [t.name for t in shard] for name, shard in shards.plan(tensors, 4, 20).items()}
+  # in order, the 24-byte tensor alone, in a file before the shard being filled (huggingface_hub's split)
+  assert plan == {"model-00001-of-00003.safetensors": ["t2"], "model-00002-of-00003.safetensors": ["t0", "t1"],
+                  "model-00003-of-00003.safetensors": ["t3", "t4"]}
+  assert list(shards.plan(tensors, 4, 100)) == [shards.WEIGHTS_FILE]
   assert shards.parse_size("5GB") == 5 * 10 ** 9 and shards.parse_size("2MiB") == 2 << 20
   assert shards.parse_size(1234) == 1234
   for bad in ("lots", "0", "-1GB", "5 parsecs"):

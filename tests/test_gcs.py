@@ -94,6 +94,8 @@ def test_path_layer_on_gcs(gcs):
   assert fs.listdir(fs.join(base, "a")) == ["b.json", "deep"]
   assert fs.glob(fs.join(base, "**", "*.txt")) == [f"{base}/a/deep/c.txt"]
   assert fs.glob(fs.join(base, "a", "*.json")) == [f"{base}/a/b.json"]
+  assert fs.glob(fs.join(base, "a", "**", "b.json")) == [f"{base}/a/b.json"]  # `**` matches no directory too
+  assert fs.glob(fs.join(base, "missing", "**", "*")) == [] and fs.glob(fs.join(base, "a", "*.csv")) == []
   fs.append_text(fs.join(base, "log.jsonl"), "1\n")
   fs.append_text(fs.join(base, "log.jsonl"), "2\n")
   log = fs.Appender(fs.join(base, "log.jsonl"))  # on gs://: numbered parts after the file, stored by a thread

@@ -35,6 +35,7 @@ def test_the_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
                                    resources={"metadata": {"path": str(tmp_path)}})
   client.execute()
   text = "\n".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.outputs)
+  assert f"midas_jax from {REPO_ROOT}\n" in text  # a checkout: the first cell installs nothing
   assert "wall-clock speedup" in text and "most similar blocks" in text
   assert "baseline: accuracy" in text and "midas: accuracy" in text
   assert "LlamaForCausalLM max |logit diff| vs midas_jax" in text

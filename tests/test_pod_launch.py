@@ -231,7 +231,7 @@ def test_the_startup_script_installs_once_and_starts_the_run_at_every_boot(tmp_p
       "python3 -m pip --version", f"python3 -m pip install -q --target {root}/uv uv=={_tpu_worker.UV_VERSION}",
       "uv python install 3.11",
       f"uv venv --python 3.11 {root}/venv",
-      f"uv pip install -q --python {root}/venv/bin/python -e {root}/src[tpu]",
+      f"uv pip install -q --python {root}/venv/bin/python -c {root}/src/requirements/constraints.txt -e {root}/src[tpu]",
       "systemctl daemon-reload", "systemctl reset-failed midas-r", "systemctl start midas-r"], (first, uv)
   assert (root / "src" / "setup.py").exists()
   unit = (tmp_path / "units" / "midas-r.service").read_text()
@@ -324,11 +324,13 @@ def setup_py():
 def test_python_requires_is_what_the_pinned_wheels_require():
   core, _, python_requires = setup_py()
   ours = SpecifierSet(python_requires)
+  pins = dict(line.split("#")[0].split(";")[0].strip().split("==") for line in
+              open(os.path.join(REPO_ROOT, "requirements", "constraints.txt")) if "==" in line.split("#")[0])
   needed = {}
-  for pin in core:
-    name, _, version = pin.partition("==")
-    if not version or importlib.metadata.version(name) != version:
-      continue  # a range, or not this version here: its metadata does not speak for the pin
+  for name in (re.match(r"[\w.-]+", requirement).group(0) for requirement in core):  # the core's pins
+    version = pins[name]
+    if importlib.metadata.version(name).split("+")[0] != version:
+      continue  # not this version here: its metadata does not speak for the pin
     needed[name] = SpecifierSet(importlib.metadata.metadata(name).get("Requires-Python") or "")
   assert {"jax", "numpy", "flax"} <= set(needed)
   for minor in range(8, 16):

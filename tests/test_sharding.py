@@ -111,3 +111,15 @@ def test_devices_from_other_slices_than_the_mesh_spans_are_config_errors():
   uneven = [types.SimpleNamespace(id=i, slice_index=int(i >= 3)) for i in range(8)]
   with pytest.raises(ConfigError, match="different numbers of devices"):
     sharding.make_mesh(configs.MeshConfig(dcn_data=2), uneven)
+
+
+def test_devices_with_slice_indices_are_grouped_by_slice_not_by_position():
+  # Two slices whose devices interleave in the device list: jax's create_hybrid_device_mesh groups them by
+  # slice_index, each slice one block of the axis that crosses DCN (stand-ins: a grid, not a jax Mesh).
+  interleaved = [types.SimpleNamespace(id=i, slice_index=i % 2, platform="cpu", device_kind="cpu") for i in range(8)]
+  ids = np.vectorize(lambda d: d.id)(sharding.device_grid(configs.MeshConfig(fsdp=2, tensor=2, dcn_data=2),
+                                                          interleaved))
+  assert ids.shape == (2, 2, 2) and sorted(ids[0].ravel()) == [0, 2, 4, 6] and sorted(ids[1].ravel()) == [1, 3, 5, 7]
+  ids = np.vectorize(lambda d: d.id)(sharding.device_grid(configs.MeshConfig(data=2, fsdp=2, dcn_fsdp=2),
+                                                          interleaved))
+  assert sorted(ids[:, :2].ravel()) == [0, 2, 4, 6] and sorted(ids[:, 2:].ravel()) == [1, 3, 5, 7]

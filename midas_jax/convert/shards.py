@@ -1,11 +1,12 @@
 """Safetensors weights in shards, as transformers writes and reads them, built one shard at a time.
 
-A model larger than `max_shard_size` is split, in checkpoint order, into
+A model larger than `max_shard_size` is split into
 `model-00001-of-0000N.safetensors` files plus `model.safetensors.index.json` (each tensor's file and
 the total size); a smaller one is a single `model.safetensors`. Only the tensors of the shard being
 written exist in memory (mapping.HFTensor makes each on demand), so an export needs about one shard
-above the parameters it reads. Shard sizes count bytes in the written dtype; a tensor larger than a
-shard gets a shard of its own, as in transformers.
+above the parameters it reads. Shard sizes count bytes in the written dtype; huggingface_hub's state-dict
+splitting, which transformers' own save_pretrained uses, plans the shards (a tensor larger than a shard gets one of
+its own).
 """
 
 from __future__ import annotations
@@ -49,18 +50,18 @@ def numpy_dtype(name: str, setting: str = "--dtype"):
   return np.dtype(np.float32)
 
 
-def plan(tensors: Sequence[HFTensor], itemsize: int, max_shard_size: int) -> List[List[HFTensor]]:
-  """Tensors in order, cut into shards of at most max_shard_size bytes (an oversized tensor alone)."""
-  shards: List[List[HFTensor]] = [[]]
-  used = 0
-  for t in tensors:
-    size = t.num_elements * itemsize
-    if shards[-1] and used + size > max_shard_size:
-      shards.append([])
-      used = 0
-    shards[-1].append(t)
-    used += size
-  return shards
+def plan(tensors: Sequence[HFTensor], itemsize: int, max_shard_size: int) -> Dict[str, List[HFTensor]]:
+  """File name -> its tensors, as huggingface_hub (and so transformers' save_pretrained) splits a state dict.
+
+  Tensors fill shards in order up to max_shard_size bytes; one larger than that gets a file of its own, placed
+  before the shard being filled; one shard is model.safetensors, several are model-0000i-of-0000N.safetensors.
+  """
+  from huggingface_hub import split_state_dict_into_shards_factory  # lazy: the convert extra (with transformers)
+  by_name = {t.name: t for t in tensors}
+  split = split_state_dict_into_shards_factory(by_name, get_storage_size=lambda t: t.num_elements * itemsize,
+                                               filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+  return {name: [by_name[key] for key in keys] for name, keys in split.filename_to_tensors.items()}
 
 
 def write_shards(local_dir: str, tensors: Sequence[HFTensor], dtype: str = "float32",
@@ -75,10 +76,9 @@ def write_shards(local_dir: str, tensors: Sequence[HFTensor], dtype: str = "floa
   np_dtype = numpy_dtype(dtype)
   shards = plan(tensors, np_dtype.itemsize, max_shard_size)
   header = {"format": "pt", **(metadata or {})}
-  names = ([WEIGHTS_FILE] if len(shards) == 1 else
-           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+  names = list(shards)
   weight_map, total = {}, 0
-  for name, shard in zip(names, shards):
+  for name, shard in shards.items():
     arrays = {t.name: t.make().astype(np_dtype, copy=False) for t in shard}
     save_file(arrays, os.path.join(local_dir, name), metadata=header)
     total += sum(a.nbytes for a in arrays.values())

@@ -156,8 +156,8 @@ def refresh(path: PathLike) -> None:
   before a listing that must see what other processes did (which checkpoints exist, after one was set aside).
   """
   text = check(path, "path")
-  if not is_remote(text) or os.environ.get("EPATH_USE_TF", "").lower() == "true":
-    return  # local listings are never cached; tf.io.gfile caches none
+  if not is_remote(text):
+    return  # local listings are never cached (nor are tf.io.gfile's, but glob lists through fsspec either way)
   store = epath_backend.fsspec_backend.fs(text)  # the filesystem epath, and so orbax, reads through
   store.invalidate_cache(text)
   root = fsspec.core.strip_protocol(text).rstrip("/")
@@ -171,60 +171,16 @@ def listdir(path: PathLike) -> List[str]:
 
 
 def glob(pattern: PathLike) -> List[str]:
-  """Files and directories matching `pattern` (`*`, `?`, `[..]`; `**` recurses), sorted."""
+  """Files and directories matching `pattern` (`*`, `?`, `[..]`; `**` matches any number of directories), sorted."""
   text = check(pattern, "pattern")
   if not _WILDCARDS.search(text):
     return [text] if exists(text) else []
   if not is_remote(text):
     return sorted(glob_lib.glob(text, recursive=True))
-  parts = text.split("/")
-  first = next(i for i, part in enumerate(parts) if _WILDCARDS.search(part))
-  root, rest = "/".join(parts[:first]), "/".join(parts[first:])
-  if not exists(root):
-    return []
-  if "**" not in rest:
-    return sorted(os.fspath(m) for m in epath.Path(root).glob(rest))
-  # epath refuses `**` on object stores; one listing of the prefix, matched here, is the same.
-  matcher = re.compile(_pattern_regex(rest))
-  root = root.rstrip("/")
-  protocol = root[:root.index("://") + 3]
-  found = []
-  for directory, subdirs, files in epath.Path(root).walk():
-    directory = os.fspath(directory)
-    if not directory.startswith(protocol):  # fsspec walks without the scheme
-      directory = protocol + directory
-    for name in list(subdirs) + list(files):
-      path = posixpath.join(directory, name)
-      if matcher.fullmatch(path[len(root) + 1:]):
-        found.append(path)
-  return sorted(found)
-
-
-def _pattern_regex(pattern: str) -> str:
-  """A glob pattern over `/`-separated names as a regex: `**/` any directories, `*` within a name."""
-  out, i = [], 0
-  while i < len(pattern):
-    if pattern.startswith("**/", i):
-      out.append("(?:.*/)?")
-      i += 3
-    elif pattern.startswith("**", i):
-      out.append(".*")
-      i += 2
-    elif pattern[i] == "*":
-      out.append("[^/]*")
-      i += 1
-    elif pattern[i] == "?":
-      out.append("[^/]")
-      i += 1
-    else:
-      j = pattern.find("]", i) if pattern[i] == "[" else -1
-      if j > i:
-        out.append(pattern[i:j + 1])
-        i = j + 1
-      else:
-        out.append(re.escape(pattern[i]))
-        i += 1
-  return "".join(out)
+  # fsspec's own glob (epath refuses `**` on object stores), through the filesystem epath and so orbax use, whose
+  # listing cache `refresh` clears; it answers without the scheme.
+  store = epath_backend.fsspec_backend.fs(text)
+  return sorted(f"{scheme(text)}://{found}" for found in store.glob(text))
 
 
 @contextlib.contextmanager

@@ -22,14 +22,16 @@ import threading
 
 import jax
 import numpy as np
-from jax._src import distributed  # the preemption service's state has no public accessor
 from jax.experimental import multihost_utils
 
 
 def _service_active() -> bool:
-  """Whether jax.distributed runs with its preemption sync manager (multi-process jobs)."""
-  state = distributed.global_state
-  return state.client is not None and state.preemption_sync_manager is not None
+  """Whether jax.distributed runs with its preemption service (multi-process jobs).
+
+  jax.distributed.initialize starts the service's sync manager when `jax_enable_preemption_service` is on (the
+  default); without jax.distributed there is none, and reached_preemption_sync_point would always say no.
+  """
+  return jax.distributed.is_initialized() and bool(jax.config.jax_enable_preemption_service)
 
 
 class PreemptionGuard:
