@@ -31,7 +31,8 @@ def activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, tensor: int = 1,
   path's scores ([rows, heads, T, T]: jax.nn.dot_product_attention's XLA path materializes them)
   or the flash kernels' heads-first copies of q, k, v and the output; `logits` are the float32
   logits of one loss chunk, their softmax and their gradient.
-  attention: the resolved implementation, "dot_product" or "flash".
+  attention: the resolved implementation, "dot_product", "flash" or "cudnn" (cuDNN's fused kernel
+  stores no scores either, but is handed the dense boolean mask, [rows, 1, T, T] bytes, per layer).
   """
   layers = cfg.num_layers if num_layers is None else num_layers
   c = jnp.dtype(cfg.dtype).itemsize
@@ -40,9 +41,11 @@ def activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, tensor: int = 1,
   f, v = _local(cfg.d_ff, tensor), _local(cfg.vocab_size, tensor)
   mlp = 3 * f if cfg.family == "llama" else 2 * f  # gate, up, their product (llama); fc, gelu (gpt2)
   tokens = b * t
-  dense = attention != "flash"
+  dense = attention == "dot_product"
   scores = b * h * t * t if dense else 0
   attention_extra = 0 if dense else tokens * (2 * h + 2 * kv) * hd * c + tokens * h * 4  # copies, logsumexp
+  if attention == "cudnn":
+    attention_extra += b * t * t  # the boolean mask
   everything = tokens * c * (4 * d + (2 * h + 2 * kv) * hd + h * hd + mlp) + scores * c + attention_extra
   matmul_outputs = tokens * c * (3 * d + (h + 2 * kv) * hd + (2 * f if cfg.family == "llama" else f))
   per_layer = {"none": everything,
