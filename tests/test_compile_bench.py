@@ -82,7 +82,7 @@ def test_tpu_slices_are_named_as_gcloud_names_them():
   assert (two.num_devices, two.num_slices, two.topology) == (128, 2, "v5:4x4x4")
 
 
-def test_flash_chunked_loss_and_microbatches_shrink_the_estimate():
+def test_flash_chunked_loss_and_microbatches_shrink_the_estimate(tmp_path, capsys):
   model = tiny_model(num_layers=8, d_model=256, num_heads=4, d_ff=512, vocab_size=4096, max_seq_len=1024)
   dense = memory_model.activation_bytes(model, rows=4, seq_len=1024)
   flash = memory_model.activation_bytes(model, rows=4, seq_len=1024, attention="flash", loss_chunk=256)
@@ -104,6 +104,12 @@ def test_flash_chunked_loss_and_microbatches_shrink_the_estimate():
                  "the total memory required for HLO temporaries (31.96G) exceeds available HBM (30.75G).")
   table = compile_table.table([micro], [refused])
   assert "| 4 | flash | refused: temporaries 31.96G > 30.75G | **no** |" in table and table.count("\n") == 2
+  # The command takes a shell glob's many reports after one flag (`--after after/*.json`).
+  for name, report in [("micro", micro), ("whole", whole)]:
+    (tmp_path / f"{name}.json").write_text(json.dumps(report))
+  assert cli.main(["bench", "compile-table", "--after", str(tmp_path / "micro.json"), str(tmp_path / "whole.json"),
+                   "--before", str(tmp_path / "whole.json")]) == 0
+  assert capsys.readouterr().out.count("\n| 0B | `v5p-16` |") == 2
 
 
 def test_analytic_estimate_for_a_tpu_slice(monkeypatch):
@@ -123,6 +129,10 @@ def test_analytic_estimate_for_a_tpu_slice(monkeypatch):
   else:  # the test extra's libtpu: compiled for the slice, with the v5p's libtpu flags set
     assert auto["method"] == "compiled" and auto["compiled"]["peak"] > 0 and auto["tpu_flags"]
     assert sum(auto["compiled"]["reductions_by_depth"].values()) > 0  # FSDP reduces gradients
+    # and priced by the cost model at the config's depth (bench/cost_model.py has the pricing's checks)
+    step = auto["predicted"]["steps"][str(config.model.num_layers)]
+    assert step["seconds"] > 0 and step["tokens_per_s_per_chip"] > 0 and 0 < step["mfu_bound"] < 1
+    assert "a roofline lower bound on the step, not a measured time" in compile_bench.format_report(auto)
 
 
 def test_remat_policies_order_the_activation_estimate():

@@ -49,7 +49,8 @@ def price(v5p_8):
   def price_of(config):
     if config not in seen:
       seen[config] = cost_model.price(compile_bench.compiled_train_step(
-          config, v5p_8, unroll_microbatches=config.trainer.microbatches > 1))
+          config, v5p_8, unroll_microbatches=config.trainer.microbatches > 1,
+          compiler_options=cost_model.PRICING_OPTIONS))
     return seen[config]
   return price_of
 
@@ -112,6 +113,22 @@ def test_microbatches_are_priced_unrolled(price):
   one, four = price(_run(num_layers=1, batch_size=16)), price(_run(num_layers=1, microbatches=4, batch_size=16))
   # The same rows in four passes: about the same FLOPs, not a quarter of them (a loop priced once).
   assert four["flops"] == pytest.approx(one["flops"], rel=0.25)
+
+
+def test_sliced_prefetches_are_left_out_of_the_pricing_compile():
+  # On a v5e, memory space assignment prefetches a large embedding into VMEM in asynchronous slices,
+  # which the cost model prices at -1 s each; the pricing compiles turn them off.
+  devices, why = compile_bench.tpu_devices(compile_bench.parse_target("v5litepod-8"))
+  assert devices is not None, why
+  config = _run(num_layers=1)
+  config = dataclasses.replace(config, model=dataclasses.replace(config.model, d_model=256, d_ff=512,
+                                                                 vocab_size=32128, unroll_layers=True))
+  default = compile_bench.compiled_train_step(config, devices)
+  assert "slice-start" in default.as_text() and cost_model.price(default)["optimal_seconds"] < 0
+  priced = compile_bench.compiled_train_step(config, devices, compiler_options=cost_model.PRICING_OPTIONS)
+  assert "slice-start" not in priced.as_text()
+  assert cost_model.price(priced)["optimal_seconds"] > 0
+  assert cost_model.price(priced)["flops"] == cost_model.price(default)["flops"]  # the same program's work
 
 
 def test_the_prediction_is_the_compiler_price_over_the_chips_peak():

@@ -84,7 +84,7 @@ def _compile_for_v5p(tmp_path, user_flags=""):
   env = dict(os.environ, JAX_PLATFORMS="cpu", **{tpu_flags.ENV: user_flags})
   env.pop("MIDAS_TPU_ACCELERATOR", None)
   proc = subprocess.run([sys.executable, "-m", "midas_jax", "bench", "compile", f"--gin_file={gin_file}",
-                         "--topology=v5p-16", "--method=compile", f"--json={out}"],
+                         "--topology=v5p-16", "--method=compile", "--no-predict", f"--json={out}"],
                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
   return proc, (json.loads(out.read_text()) if out.exists() else None)
 
@@ -96,6 +96,7 @@ def test_libtpu_compiles_a_v5p_program_with_every_flag_and_refuses_an_unknown_on
   proc, report = _compile_for_v5p(tmp_path, user_flags="")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert report["method"] == "compiled" and report["tpu_flags"] == tpu_flags.recommended("v5p")
+  assert "predicted" not in report  # --no-predict: one compile, not three
   assert "libtpu flags    " in proc.stdout
   proc, report = _compile_for_v5p(tmp_path, user_flags=" ".join(every))  # the groups for other runs too
   assert proc.returncode == 0 and report["method"] == "compiled", proc.stderr[-3000:]

@@ -154,8 +154,10 @@ def batch_bytes(config: RunConfig, rows: int) -> int:
   return sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in shapes.values())
 
 
-def compiled_train_step(config: RunConfig, devices: Sequence[Any], unroll_microbatches: bool = False):
-  """The train step compiled ahead of time for `devices` from abstract shapes, allocating nothing."""
+def compiled_train_step(config: RunConfig, devices: Sequence[Any], unroll_microbatches: bool = False,
+                        compiler_options: Optional[Dict[str, Any]] = None):
+  """The train step compiled ahead of time for `devices` from abstract shapes, allocating nothing;
+  `compiler_options` are XLA/libtpu options for this one compile."""
   mesh = sharding.make_mesh(config.mesh, devices)
   model_config, model, tx, schedule, rules, layout = _parts(config, mesh)
   build = StageBuild(config=config, model_config=model_config, vocab=None, pipeline=None, mesh=mesh,
@@ -164,7 +166,7 @@ def compiled_train_step(config: RunConfig, devices: Sequence[Any], unroll_microb
                        layout.abstract, layout.shardings)
   with build.context():
     step = build.jit_train_step(unroll_microbatches=True) if unroll_microbatches else build.jit_train_step()
-    return step.lower(state, _batch_spec(config, mesh)).compile()
+    return step.lower(state, _batch_spec(config, mesh)).compile(compiler_options=compiler_options)
 
 
 def compile_train_step(config: RunConfig, devices: Sequence[Any]) -> Dict[str, Any]:
@@ -199,8 +201,9 @@ def _growth_peak(config: RunConfig, schedule: StageSchedule, mesh, final_state: 
 
 
 def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
-        hbm_gib: Optional[float] = None) -> Dict[str, Any]:
-  """The per-device memory report. method: "auto" (compile where possible), "compile" or "analytic"."""
+        hbm_gib: Optional[float] = None, predict: bool = True) -> Dict[str, Any]:
+  """The per-device memory report. method: "auto" (compile where possible), "compile" or "analytic";
+  predict: for a TPU target, also the cost model's step time (two more compiles, bench/cost_model.py)."""
   require(method in ("auto", "compile", "analytic"), "--method", f"unknown method {method!r}",
           "use auto, compile or analytic")
   schedule = schedule_for(config)  # a stacked config's growth, checked before anything compiles
@@ -269,7 +272,7 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
       return report
     memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     report.update(compiled=memory, total=memory["peak"])
-    if target.platform == "tpu":
+    if target.platform == "tpu" and predict:
       report["predicted"] = _predicted(config, devices, schedule, model_config, target.num_devices)
   else:
     report.update(method="analytic", note=why or "analytic estimate requested")
@@ -284,7 +287,8 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
 def _predicted(config: RunConfig, devices, schedule: StageSchedule, model_config, chips: int) -> Dict[str, Any]:
   """The TPU compiler's predicted step at every stage depth, and the whole run's seconds (bench/cost_model.py)."""
   prices = cost_model.priced_depths(
-      config, lambda c: cost_model.price(compiled_train_step(c, devices, unroll_microbatches=c.trainer.microbatches > 1)))
+      config, lambda c: cost_model.price(compiled_train_step(c, devices, unroll_microbatches=c.trainer.microbatches > 1,
+                                                             compiler_options=cost_model.PRICING_OPTIONS)))
   out = cost_model.prediction(config, prices, schedule.depths, chips, devices[0].device_kind, model_config)
   out["run_seconds"] = cost_model.run_seconds(out, schedule.stage_steps, schedule.depths)
   out["stages"] = [{"depth": d, "steps": n} for d, n in zip(schedule.depths, schedule.stage_steps)]

@@ -14,8 +14,12 @@ Two things the cost model does not do, and how the price is made whole:
     instructions when each added layer adds the same ones. Measured on a 512-wide model for v5p: each
     layer from the second on adds the same within 6% (the first adds 15% less: depth 1 is not used),
     and the extrapolation meets the unrolled program at depths 4 and 5 within 1% (tests/test_cost_model.py).
-An instruction it cannot price counts -1 s (a SparseCore call does; the model's mask no longer
-scatters for that reason): a negative price is reported as unpriced, never as a time.
+An instruction it cannot price counts -1 s: a SparseCore call does (the model's mask no longer
+scatters for that reason), and so does each asynchronous slice of a sliced prefetch, which memory
+space assignment makes on v4 and v5e for large operands (a 1B step on a v5e-256 priced -29 s). The
+pricing compiles turn sliced prefetch off (PRICING_OPTIONS); the step that runs keeps it, and a
+roofline prices the same bytes moved either way. A negative price is still reported as unpriced,
+never as a time.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ def price(compiled) -> Dict[str, float]:
     costs = costs[0]
   return {k: float(costs.get(k, -1.0 if k == "optimal_seconds" else 0.0)) for k in PRICED}
 
+
+# For the pricing compiles only: no sliced prefetches (slice-start/slice-done), which the cost model
+# prices at -1 s each.
+PRICING_OPTIONS = {"xla_tpu_sliced_prefetch_max_slices": 0}
 
 PRICE_DEPTHS = (2, 3)  # the two depths every step is priced at (the first layer adds less than the others)
 

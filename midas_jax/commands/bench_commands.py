@@ -6,10 +6,12 @@
   midas bench preemption --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]   (on N processes: launch/local.py)
   midas bench data --gin_file=F [--gin.KEY=VALUE ...] [--seconds=S] [--consumption=SLICE] [--storage_latency_ms=MS]
   midas bench compile --gin_file=F [--gin_file=MESH] [--topology=v5p-128|2xv5p-128] [--method=auto] [--json=OUT]
-  midas bench compile-table --after=REPORT.json ... [--before=REPORT.json ...]
+  midas bench compile-table --after REPORT.json ... [--before REPORT.json ...]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import jax
 
@@ -82,12 +84,16 @@ def register(root: CommandGroup) -> None:
   p.add_argument("--method", default="auto", choices=("auto", "compile", "analytic"),
                  help="auto: compile where jax can describe the target, else estimate analytically")
   p.add_argument("--hbm_gib", type=float, default=None, help="memory per device to check against")
+  p.add_argument("--predict", action=argparse.BooleanOptionalAction, default=True,
+                 help="for a TPU target, also the TPU compiler's predicted step time (two more compiles; "
+                      "--no-predict skips them)")
   _json_flag(p)
 
   p = bench.command("compile-table", _compile_table, help="the markdown table of docs/pods.md from `bench compile "
                     "--json` reports, before and after a change")
-  p.add_argument("--after", action="append", default=[], required=True, help="a report; repeatable")
-  p.add_argument("--before", action="append", default=[], help="a report to compare with; repeatable")
+  # nargs="+" so a shell glob (`--after after/*.json`) passes every report; the flag may also repeat
+  p.add_argument("--after", action="extend", nargs="+", default=[], required=True, help="reports; repeatable")
+  p.add_argument("--before", action="extend", nargs="+", default=[], help="reports to compare with; repeatable")
 
 
 def _report(args, report, text: str) -> int:
@@ -136,7 +142,8 @@ def _data(args, bindings) -> int:
 
 def _compile(args, bindings) -> int:
   config, _ = load_run_config(args.gin_file, bindings)
-  report = compile_bench.run(config, topology=args.topology, method=args.method, hbm_gib=args.hbm_gib)
+  report = compile_bench.run(config, topology=args.topology, method=args.method, hbm_gib=args.hbm_gib,
+                             predict=args.predict)
   return _report(args, report, compile_bench.format_report(report))
 
 
