@@ -54,3 +54,15 @@ def test_the_cudnn_call_through_xla_is_the_dense_path_on_packed_ul2_rows(kv_head
   odd = describe_mask(*(jnp.asarray(batch[f])[:, :63] for f in ("segment_ids", "positions", "prefix_mask")))
   np.testing.assert_array_equal(attention.attend(q[:, :63], k[:, :63], v[:, :63], odd, "cudnn"),
                                 attention.dense_attention(q[:, :63], k[:, :63], v[:, :63], odd))
+
+
+def test_the_gpu_benchmark_config_is_the_paper_1b_and_fits_one_gpu_by_the_analytic_count():
+  """gin/experiments/bench_gpu_paper_1b.gin, which launch/gpu_bench.sh times per attention path."""
+  import os
+  from midas_jax.bench import compile_bench
+  from midas_jax.commands.common import load_run_config
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  config, _ = load_run_config([os.path.join(root, "gin", "experiments", "bench_gpu_paper_1b.gin")], [])
+  assert (config.model.num_layers, config.model.d_model, config.model.dtype) == (24, 2048, "bfloat16")
+  report = compile_bench.run(config, topology="gpu-1", method="analytic", hbm_gib=141)  # an H200
+  assert report["model"]["attention"] == "cudnn" and report["fits"] is True
