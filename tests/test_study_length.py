@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from midas_jax import configs, flops
+from midas_jax import configs, flops, gin_config
 from midas_jax.commands.study_commands import stacking_study_from_gin
 from midas_jax.data.factory import load_data
 from midas_jax.data.vocabularies import make_vocabulary
@@ -234,3 +234,18 @@ def test_the_gpu_study_script_runs_its_study_at_tiny_sizes_on_the_cpu(tmp_path, 
   page = (workdir / "study.md").read_text()
   assert "## The gap against training length" in page and "Primitives at matched held-out loss" in page
   assert "wall seconds:" in (workdir / "gpu_study.log").read_text()
+
+
+def test_the_growth_ablation_config_trains_the_default_job_at_its_outlier_seed(repo_root):
+  run, study, _ = stacking_study_from_gin([os.path.join(repo_root, "gin", "experiments", "study_growth_cpu.gin")], [])
+  gin_config.parse([os.path.join(repo_root, "gin", "experiments", "midas_cpu.gin")], [])
+  default = gin_config.run_config_from_gin()
+  # The default job's model, data and schedule; only the eval cadence differs (evals do not train).
+  assert (run.model, run.data, run.optimizer, run.stacking) == (default.model, default.data, default.optimizer,
+                                                                default.stacking)
+  assert run.trainer.num_steps == default.trainer.num_steps and 2 in study.seeds and study.growth_window == 10
+  vocab = make_vocabulary(run.data).vocab_size
+  arms = {arm: study_arms.arm_config(run, arm, 2, vocab).stacking for arm in study.arms}
+  assert (arms["midas"].new_moments, arms["midas"].lr_schedule) == ("copy", "global")
+  assert (arms["midas_zero_moments"].new_moments, arms["midas_zero_moments"].lr_schedule) == ("zero", "global")
+  assert (arms["midas_rewarm"].new_moments, arms["midas_rewarm"].lr_schedule) == ("copy", "rewarm")
