@@ -311,6 +311,9 @@ def _predicted_lines(predicted: Optional[Dict[str, Any]]) -> List[str]:
                  f"({stage['steps']:,} steps)")
   if len(predicted["stages"]) > 1:
     lines.append(f"  whole run     {predicted['run_seconds'] / 3600:,.2f} h of predicted steps")
+  if "undercounted" in predicted:
+    lines.append(f"  caution       the cost model counted {predicted['undercounted']:.0%} of the model's FLOPs for this "
+                 "target, so these times are not a lower bound")
   return lines
 
 

@@ -51,7 +51,8 @@ def _speed(r: Optional[Dict[str, Any]]) -> str:
     return "-"
   s = steps[str(max(int(d) for d in steps))]
   mfu = "-" if s["mfu_bound"] is None else f"{s['mfu_bound']:.0%}"
-  return f"{s['seconds'] * 1e3:,.0f} ms / {s['tokens_per_s_per_chip']:,.0f} / {mfu}"
+  caution = f" (FLOPs counted: {r['predicted']['undercounted']:.0%}, no bound)" if "undercounted" in r["predicted"] else ""
+  return f"{s['seconds'] * 1e3:,.0f} ms / {s['tokens_per_s_per_chip']:,.0f} / {mfu}{caution}"
 
 
 def rows(after: List[Dict[str, Any]], before: List[Dict[str, Any]] = ()) -> List[str]:
