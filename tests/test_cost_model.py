@@ -146,9 +146,8 @@ def test_the_prediction_is_the_compiler_price_over_the_chips_peak():
   # These prices count far fewer FLOPs than the model has: no bound, and the report says so.
   assert out["undercounted"] < 0.01
   assert "not a lower bound" in "\n".join(compile_bench._predicted_lines(dict(out, stages=[{"depth": 4, "steps": 1}])))
-  per_token = flops.train_flops_per_token(model, 512, 2) * tokens / 4
-  full = {d: dict(prices[d], flops=per_token * (1 + (d - 2) / 2)) for d in (2, 3)}  # 2 layers' FLOPs, then 3
-  assert "undercounted" not in cost_model.prediction(config, full, (2,), 4, "TPU v5", model)
+  counted_all = {d: dict(p, flops=flops.train_flops_per_token(model, 512, d) * tokens / 4) for d, p in prices.items()}
+  assert "undercounted" not in cost_model.prediction(config, counted_all, (2,), 4, "TPU v5", model)
   negative = {2: dict(prices[2], optimal_seconds=-1.99), 3: prices[3]}
   unpriced = cost_model.prediction(config, negative, (4,), chips=4, device_kind="TPU v5", model_config=model)
   assert "unpriced" in unpriced and cost_model.run_seconds(unpriced, (1,), (4,)) is None

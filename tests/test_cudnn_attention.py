@@ -5,13 +5,17 @@ cuDNN's kernel itself runs only on an NVIDIA GPU; this machine has none, so its 
 here. What is checked is everything around it: the layout, the GQA heads and the mask it is handed.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ul2_rows
+from conftest import REPO_ROOT, ul2_rows
 from midas_jax import configs
+from midas_jax.bench import compile_bench
+from midas_jax.commands.common import load_run_config
 from midas_jax.errors import ConfigError
 from midas_jax.model import Decoder, attention, cudnn_attention, describe_mask
 
@@ -58,11 +62,7 @@ def test_the_cudnn_call_through_xla_is_the_dense_path_on_packed_ul2_rows(kv_head
 
 def test_the_gpu_benchmark_config_is_the_paper_1b_and_fits_one_gpu_by_the_analytic_count():
   """gin/experiments/bench_gpu_paper_1b.gin, which launch/gpu_bench.sh times per attention path."""
-  import os
-  from midas_jax.bench import compile_bench
-  from midas_jax.commands.common import load_run_config
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  config, _ = load_run_config([os.path.join(root, "gin", "experiments", "bench_gpu_paper_1b.gin")], [])
+  config, _ = load_run_config([os.path.join(REPO_ROOT, "gin", "experiments", "bench_gpu_paper_1b.gin")], [])
   assert (config.model.num_layers, config.model.d_model, config.model.dtype) == (24, 2048, "bfloat16")
   report = compile_bench.run(config, topology="gpu-1", method="analytic", hbm_gib=141)  # an H200
   assert report["model"]["attention"] == "cudnn" and report["fits"] is True
