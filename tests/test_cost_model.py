@@ -17,8 +17,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import tiny_model, tiny_run
-from midas_jax import configs, flops
-from midas_jax.bench import compile_bench, cost_model
+from midas_jax import configs, flops, sharding
+from midas_jax.bench import compile_bench, cost_model, dcn_cost
 from midas_jax.model.kernels import flash, flash_attention
 
 V5P_PEAK = 459e12  # bf16 FLOP/s per v5p chip (device_peak.py)
@@ -151,3 +151,61 @@ def test_the_prediction_is_the_compiler_price_over_the_chips_peak():
   negative = {2: dict(prices[2], optimal_seconds=-1.99), 3: prices[3]}
   unpriced = cost_model.prediction(config, negative, (4,), chips=4, device_kind="TPU v5", model_config=model)
   assert "unpriced" in unpriced and cost_model.run_seconds(unpriced, (1,), (4,)) is None
+
+
+def _sliced_run(slices: int):
+  """The same per-chip work as one slice of 8 chips (data 2 x fsdp 4) or two slices of 4 (data over DCN)."""
+  return tiny_run(model=tiny_model(num_layers=2, d_model=256, num_heads=2, num_kv_heads=2, d_ff=512, vocab_size=512,
+                                   dtype="bfloat16", attention="dot_product", max_seq_len=256, unroll_layers=True),
+                  mesh=configs.MeshConfig(data=2 if slices == 1 else 1, fsdp=4, dcn_data=slices),
+                  data=configs.DataConfig(seq_len=256, batch_size=16),
+                  trainer=dataclasses.replace(tiny_run().trainer, loss_chunk=0))
+
+
+def test_a_two_slice_step_is_priced_with_the_compilers_cross_slice_calls_at_zero():
+  """A multi-slice program holds custom calls the compiler adds for its DCN collectives, which the cost
+  model counts at -1 s each; priced at 0, the step costs about what the same per-chip work does on one
+  slice, and the gradient it sends across slices is each chip's shard of the parameters."""
+  programs = {}
+  for slices, target in ((2, "2xv5p-8"), (1, "v5p-16")):
+    devices, why = compile_bench.tpu_devices(compile_bench.parse_target(target))
+    assert devices is not None, why
+    programs[slices] = compile_bench.compiled_train_step(_sliced_run(slices), devices,
+                                                         compiler_options=cost_model.PRICING_OPTIONS)
+  two, one = programs[2], programs[1]
+  calls = [c for c in cost_model.UNPRICED_CALLS if f'custom_call_target="{c}"' in two.as_text()]
+  assert calls == ["SliceId", "ZeroCrop"] and not any(c in one.as_text() for c in calls)
+  raw = two.cost_analysis()["optimal_seconds"]
+  assert -2.0 < raw < -1.99  # two calls at -1 s each, beside a step of about 0.1 ms
+  priced, alone = cost_model.price(two, slices=2), cost_model.price(one, slices=1)
+  assert priced["unpriced_calls"] == 2 and priced["optimal_seconds"] == pytest.approx(raw + 2)
+  # Measured: 0.125 ms against 0.113 ms on one slice (the cross-slice sends priced at on-chip speed).
+  assert priced["optimal_seconds"] == pytest.approx(alone["optimal_seconds"], rel=0.25)
+  assert priced["flops"] == pytest.approx(alone["flops"], rel=0.01)
+  # Across two slices each chip all-reduces its fsdp shard of the float32 gradient, and a few metrics. The
+  # tied embedding's gradient crosses twice (its lookup's and its head's parts are reduced apart): measured
+  # 1,581,568 bytes sent against 1,443,072 of parameters a chip, 32,768 x 4 of them the embedding's shard.
+  mesh = sharding.make_mesh(_sliced_run(2).mesh, compile_bench.tpu_devices(compile_bench.parse_target("2xv5p-8"))[0])
+  params = compile_bench.state_bytes(compile_bench._parts(_sliced_run(2), mesh)[-1])["params"]
+  embedding_shard = 512 * 256 // 4 * 4
+  sent = dcn_cost.bytes_sent(two.as_text(), 2)
+  assert set(sent) == {"all-reduce"}
+  assert params + embedding_shard <= sent["all-reduce"] <= params + embedding_shard + 16 * 1024
+  assert alone["dcn_bytes"] == 0
+
+
+def test_the_data_center_network_bounds_a_multi_slice_step():
+  config = _run(num_layers=4)
+  model = dataclasses.replace(config.model, vocab_size=512)
+  v5p_dcn = 50e9 / 8  # bytes/s per chip
+  prices = {2: {"optimal_seconds": 0.010, "flops": 1.0, "bytes accessed": 1.0, "dcn_bytes": 0.05 * v5p_dcn},
+            3: {"optimal_seconds": 0.012, "flops": 1.0, "bytes accessed": 1.0, "dcn_bytes": 0.07 * v5p_dcn}}
+  step = cost_model.prediction(config, prices, (2, 4), chips=4, device_kind="TPU v5", model_config=model)["steps"]
+  # Depth 4: the chip's price 0.014 s, the network 0.09 s: the network binds; without overlap, the sum.
+  assert step["4"]["dcn_seconds"] == pytest.approx(0.09)
+  assert step["4"]["seconds"] == pytest.approx(0.09) and step["4"]["seconds_without_overlap"] == pytest.approx(0.104)
+  assert step["2"]["seconds"] == pytest.approx(0.05)
+  cheap = {d: dict(p, dcn_bytes=0.001 * v5p_dcn) for d, p in prices.items()}
+  assert cost_model.prediction(config, cheap, (2,), 4, "TPU v5", model)["steps"]["2"]["seconds"] == 0.010
+  unknown = cost_model.prediction(config, prices, (2,), 4, "TPU v4", model)
+  assert "dcn_unpriced" in unknown and unknown["steps"]["2"]["seconds"] == 0.010

@@ -288,7 +288,8 @@ def _predicted(config: RunConfig, devices, schedule: StageSchedule, model_config
   """The TPU compiler's predicted step at every stage depth, and the whole run's seconds (bench/cost_model.py)."""
   prices = cost_model.priced_depths(
       config, lambda c: cost_model.price(compiled_train_step(c, devices, unroll_microbatches=c.trainer.microbatches > 1,
-                                                             compiler_options=cost_model.PRICING_OPTIONS)))
+                                                             compiler_options=cost_model.PRICING_OPTIONS),
+                                         slices=c.mesh.num_slices))
   out = cost_model.prediction(config, prices, schedule.depths, chips, devices[0].device_kind, model_config)
   out["run_seconds"] = cost_model.run_seconds(out, schedule.stage_steps, schedule.depths)
   out["stages"] = [{"depth": d, "steps": n} for d, n in zip(schedule.depths, schedule.stage_steps)]
@@ -309,6 +310,13 @@ def _predicted_lines(predicted: Optional[Dict[str, Any]]) -> List[str]:
     lines.append(f"  {stage['depth']:>3} layers    {s['seconds'] * 1e3:,.1f} ms a step, "
                  f"{s['tokens_per_s_per_chip']:,.0f} tokens/s per chip, MFU at most {mfu} "
                  f"({stage['steps']:,} steps)")
+  deepest = predicted["steps"][str(max(st["depth"] for st in predicted["stages"]))]
+  if deepest.get("dcn_bytes_per_chip"):
+    lines.append(f"  across slices {deepest['dcn_bytes_per_chip'] / 2 ** 20:,.1f} MiB a chip a step over the data-center "
+                 f"network: {deepest['dcn_seconds'] * 1e3:,.1f} ms at its bandwidth (bench/dcn_cost.py), "
+                 f"{deepest['seconds_without_overlap'] * 1e3:,.1f} ms a step if it does not overlap the compute")
+  if predicted.get("dcn_unpriced"):
+    lines.append(f"  caution       {predicted['dcn_unpriced']}")
   if len(predicted["stages"]) > 1:
     lines.append(f"  whole run     {predicted['run_seconds'] / 3600:,.2f} h of predicted steps")
   if "undercounted" in predicted:

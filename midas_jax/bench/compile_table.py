@@ -52,6 +52,8 @@ def _speed(r: Optional[Dict[str, Any]]) -> str:
   s = steps[str(max(int(d) for d in steps))]
   mfu = "-" if s["mfu_bound"] is None else f"{s['mfu_bound']:.0%}"
   caution = f" (FLOPs counted: {r['predicted']['undercounted']:.0%}, no bound)" if "undercounted" in r["predicted"] else ""
+  if s.get("dcn_seconds"):
+    caution += f" (DCN {s['dcn_seconds'] * 1e3:,.0f} ms; {s['seconds_without_overlap'] * 1e3:,.0f} ms not overlapped)"
   return f"{s['seconds'] * 1e3:,.0f} ms / {s['tokens_per_s_per_chip']:,.0f} / {mfu}{caution}"
 
 

@@ -18,29 +18,53 @@ An instruction it cannot price counts -1 s: a SparseCore call does (the model's 
 scatters for that reason), and so does each asynchronous slice of a sliced prefetch, which memory
 space assignment makes on v4 and v5e for large operands (a 1B step on a v5e-256 priced -29 s). The
 pricing compiles turn sliced prefetch off (PRICING_OPTIONS); the step that runs keeps it, and a
-roofline prices the same bytes moved either way. A negative price is still reported as unpriced,
-never as a time.
+roofline prices the same bytes moved either way. A multi-slice program has two more: custom calls the
+compiler adds for its cross-slice collectives, the slice's own index (SliceId) and the zero padding of a
+fused cross-slice all-reduce's buffer (ZeroCrop), -1 s each where each is a scalar or a few KiB of work;
+price() counts them at 0 (UNPRICED_CALLS). A negative price is still reported as unpriced, never as a time.
+
+What the cost model prices far too cheaply is the data-center network between slices (bench/dcn_cost.py):
+the prediction adds the bytes each chip sends across slices at the network's bandwidth, as a bound of its
+own (the step takes at least the longer of the two) and as the step without overlap (their sum).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Dict, Optional, Sequence
 
 from midas_jax import flops
+from midas_jax.bench import dcn_cost
 from midas_jax.configs import RunConfig
 from midas_jax.device_peak import known_peak_flops
 
 PRICED = ("optimal_seconds", "flops", "bytes accessed")
 
 
-def price(compiled) -> Dict[str, float]:
-  """The cost model's totals of one compiled program (the keys of PRICED); optimal_seconds is -1.0
-  where libtpu gave none (a libtpu loaded while another process holds it has no cost model)."""
+# Custom calls of a multi-slice program that the cost model counts at -1 s each (libtpu 0.0.42, seen on
+# 2xv5p-8 and 2xv5p-128; tests/test_cost_model.py): the slice's index, and the zero padding of a fused
+# cross-slice all-reduce's buffer. price() counts them at 0 s.
+UNPRICED_CALLS = ("SliceId", "ZeroCrop")
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def price(compiled, slices: int = 1) -> Dict[str, float]:
+  """The cost model's totals of one compiled program (the keys of PRICED), with 'unpriced_calls' (the
+  UNPRICED_CALLS it holds, added back at 0 s each) and 'dcn_bytes' (what one chip sends across `slices`
+  slices, bench/dcn_cost.py). optimal_seconds is -1.0 where libtpu gave none (a libtpu loaded while
+  another process holds it has no cost model)."""
   costs = compiled.cost_analysis() or {}
   if isinstance(costs, (list, tuple)):  # older jax returned one dict per program
     costs = costs[0]
-  return {k: float(costs.get(k, -1.0 if k == "optimal_seconds" else 0.0)) for k in PRICED}
+  out = {k: float(costs.get(k, -1.0 if k == "optimal_seconds" else 0.0)) for k in PRICED}
+  text = compiled.as_text()
+  calls = sum(target in UNPRICED_CALLS for target in _CUSTOM_CALL.findall(text))
+  if "optimal_seconds" in costs:
+    out["optimal_seconds"] += calls
+  out["unpriced_calls"] = float(calls)
+  out["dcn_bytes"] = sum(dcn_cost.bytes_sent(text, slices).values())
+  return out
 
 
 # For the pricing compiles only: no sliced prefetches (slice-start/slice-done), which the cost model
@@ -80,17 +104,24 @@ def prediction(config: RunConfig, prices: Dict[int, Dict[str, float]], depths: S
     return {"unpriced": "the cost model priced no time, or counted an instruction it cannot price as -1 s (if "
                         "another process holds libtpu, set ALLOW_MULTIPLE_LIBTPU_LOAD=1 to compile ahead of time)",
             "prices": {str(d): p for d, p in prices.items()}}
+  bandwidth = dcn_cost.DCN_BYTES_PER_S.get(dcn_cost.generation(device_kind) or "")
   steps = {}
   for depth in sorted(set(depths)):
     priced = extrapolate(prices, depth)
-    seconds = priced["optimal_seconds"]
+    dcn_bytes = priced.get("dcn_bytes", 0.0)
+    dcn_seconds = dcn_bytes / bandwidth if bandwidth and dcn_bytes else 0.0
+    seconds = max(priced["optimal_seconds"], dcn_seconds)  # the network and the chip can overlap, at best
     model_flops = flops.train_flops_per_token(model_config, config.data.seq_len, depth) * tokens
     steps[str(depth)] = {
         "seconds": seconds, "tokens_per_s_per_chip": tokens / seconds / chips,
         "mfu_bound": None if peak is None else model_flops / (seconds * peak * chips),
+        "compiler_seconds": priced["optimal_seconds"], "dcn_bytes_per_chip": dcn_bytes,
+        "dcn_seconds": dcn_seconds, "seconds_without_overlap": priced["optimal_seconds"] + dcn_seconds,
         "compiler_flops_per_chip": priced["flops"], "model_flops_per_chip": model_flops / chips,
         "bytes_per_chip": priced["bytes accessed"]}
   out = {"steps": steps, "peak_flops_per_chip": peak, "prices": {str(d): p for d, p in prices.items()}}
+  if any(p.get("dcn_bytes") for p in prices.values()) and not bandwidth:
+    out["dcn_unpriced"] = f"no DCN bandwidth known for {device_kind!r} (bench/dcn_cost.py): the network is left out"
   deepest = steps[str(max(depths))]  # at small depths the embedding and head weigh more, counted differently
   counted = deepest["compiler_flops_per_chip"] / deepest["model_flops_per_chip"]
   if counted < COUNTED_AT_LEAST:
