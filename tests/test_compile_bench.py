@@ -104,6 +104,10 @@ def test_flash_chunked_loss_and_microbatches_shrink_the_estimate(tmp_path, capsy
                  "the total memory required for HLO temporaries (31.96G) exceeds available HBM (30.75G).")
   table = compile_table.table([micro], [refused])
   assert "| 4 | flash | refused: temporaries 31.96G > 30.75G | **no** |" in table and table.count("\n") == 2
+  # A `before` set that has the same microbatches too gives that one, and the single pass to the others.
+  micro_before = dict(micro, compiled={"peak": 3 * 2 ** 30}, method="compiled")
+  table = compile_table.table([micro, whole], [refused, micro_before])
+  assert "| 4 | flash | 3.00 | yes |" in table and "| 1 | flash | refused: temporaries" in table
   # The command takes a shell glob's many reports after one flag (`--after after/*.json`).
   for name, report in [("micro", micro), ("whole", whole)]:
     (tmp_path / f"{name}.json").write_text(json.dumps(report))

@@ -1,7 +1,10 @@
 """`midas bench compile-table`: the markdown table of docs/pods.md, made from `midas bench compile --json` reports.
 
 Rows are matched between the `before` and `after` report sets by model size, target and batch
-shape, so one table shows what a change did to every configuration both sets compiled.
+shape, so one table shows what a change did to every configuration both sets compiled: a `before`
+report of the same microbatches and attention where the set has one, else the one of that shape (a
+single pass where there is one), so a change that made microbatches or flash possible is compared
+with the step as it was.
 """
 
 from __future__ import annotations
@@ -21,6 +24,19 @@ def load_reports(paths: Iterable[str]) -> List[Dict[str, Any]]:
 def _key(r: Dict[str, Any]) -> Tuple:
   b = r["batch"]
   return (round(r["model"]["params"] / 1e8), r["target"], b["global"], b["seq_len"])
+
+
+def _exact_key(r: Dict[str, Any]) -> Tuple:
+  return _key(r) + (r["batch"].get("microbatches", 1), r["model"].get("attention", "dot_product"))
+
+
+def _matcher(before: Iterable[Dict[str, Any]]):
+  """after report -> its `before` report (or None): the same step settings, else the same shape."""
+  exact = {_exact_key(r): r for r in before}
+  by_shape: Dict[Tuple, Dict[str, Any]] = {}
+  for r in sorted(before, key=lambda r: r["batch"].get("microbatches", 1), reverse=True):
+    by_shape[_key(r)] = r  # the fewest microbatches wins
+  return lambda r: exact.get(_exact_key(r), by_shape.get(_key(r)))
 
 
 def _size(r: Dict[str, Any]) -> str:
@@ -59,12 +75,12 @@ def _speed(r: Optional[Dict[str, Any]]) -> str:
 
 def rows(after: List[Dict[str, Any]], before: List[Dict[str, Any]] = ()) -> List[str]:
   """One markdown line per `after` report, in model then target order."""
-  earlier = {_key(r): r for r in before}
+  earlier = _matcher(before)
   out = []
   order = lambda r: (r["model"]["params"], r["target"].startswith("gpu"), "x" in r["target"], r["target"],
                      r["batch"]["seq_len"], r["batch"].get("microbatches", 1))
   for r in sorted(after, key=order):  # one model's TPU slices, then multi-slice, then GPUs
-    old, b = earlier.get(_key(r)), r["batch"]
+    old, b = earlier(r), r["batch"]
     out.append(" | ".join([
         "", _size(r), f"`{r['target']}`", f"{b['global']} x {b['seq_len']}", str(b.get("microbatches", 1)),
         r["model"].get("attention", "dot_product"), _peak(old), _fits(old), _peak(r), _fits(r),
