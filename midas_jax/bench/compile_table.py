@@ -32,6 +32,7 @@ def _exact_key(r: Dict[str, Any]) -> Tuple:
 
 def _matcher(before: Iterable[Dict[str, Any]]):
   """after report -> its `before` report (or None): the same step settings, else the same shape."""
+  before = list(before)  # read twice
   exact = {_exact_key(r): r for r in before}
   by_shape: Dict[Tuple, Dict[str, Any]] = {}
   for r in sorted(before, key=lambda r: r["batch"].get("microbatches", 1), reverse=True):
