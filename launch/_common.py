@@ -1,15 +1,20 @@
 """What the launchers share: the midas command after `--`, and running (or printing) shell commands.
 
-Plain standard-library Python, so the launchers start instantly and need no installed package.
+Plain standard-library Python, so the launchers start instantly and need no installed package; the
+accelerators' facts come from this checkout's midas_jax/hardware.py, standard library only as well.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, REPO_ROOT)  # after launch/: `from midas_jax import hardware` reads this checkout's
 
 Command = Union[str, Sequence[str]]
 CACHE_DIR_VAR = "MIDAS_JAX_CACHE_DIR"  # midas_jax/commands/common.py: the compilation cache's folder or URL

@@ -25,18 +25,11 @@ import tempfile
 from typing import Dict, List, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (Runner, parse_pod_args, require_midas_args, split_midas_args,  # noqa: E402  pylint: disable=wrong-import-position
-                     with_accelerator, with_compile_cache)
+from _common import (REPO_ROOT, Runner, parse_pod_args, require_midas_args,  # noqa: E402  pylint: disable=wrong-import-position
+                     split_midas_args, with_accelerator, with_compile_cache)
+from midas_jax import hardware  # noqa: E402  pylint: disable=wrong-import-position
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACTIONS = ("build", "manifest", "apply", "logs", "delete")
-# accelerator generation -> (GKE's node label, whether the type counts TensorCores: two a chip)
-GENERATIONS = {"v4": ("tpu-v4-podslice", True), "v5p": ("tpu-v5p-slice", True),
-               "v5e": ("tpu-v5-lite-podslice", False), "v5litepod": ("tpu-v5-lite-podslice", False),
-               "v6e": ("tpu-v6e-slice", False)}
-TOPOLOGIES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
-                 512: "8x8x8"}  # v4, v5p: chips -> topology
-TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 STOP_GRACE_S = 900  # SIGTERM makes the run save; Kubernetes waits this long before SIGKILL
 BAD_INPUT_STATUS = 2  # midas's exit status for a ConfigError: a restart would fail the same way
 
@@ -75,14 +68,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def slice_shape(accelerator: str, topology: str = None) -> Tuple[str, str, int, int]:
   """(GKE accelerator label, topology, hosts, chips per host) of one slice of `accelerator`."""
-  generation, _, size = accelerator.partition("-")
-  if generation not in GENERATIONS or not size.isdigit():
+  parsed = hardware.parse_slice(accelerator)
+  if parsed is None or parsed.name != parsed.accelerator:  # one slice: --slices counts them
     raise ValueError(f"--accelerator={accelerator}: expected GENERATION-SIZE with GENERATION one of "
-                     f"{', '.join(sorted(GENERATIONS))}")
-  label, counts_cores = GENERATIONS[generation]
-  chips = int(size) // 2 if counts_cores else int(size)
+                     f"{', '.join(sorted(hardware.ACCELERATOR_NAMES))}")
+  chips = parsed.chips
   if topology is None:
-    topology = (TOPOLOGIES_3D if counts_cores else TOPOLOGIES_2D).get(chips)
+    topology = hardware.default_topology(parsed.tpu, chips)
     if topology is None:
       raise ValueError(f"--accelerator={accelerator}: no default topology for {chips} chips; pass --topology")
   product = 1
@@ -90,8 +82,8 @@ def slice_shape(accelerator: str, topology: str = None) -> Tuple[str, str, int, 
     product *= int(side)
   if product != chips:
     raise ValueError(f"--topology={topology} has {product} chips, --accelerator={accelerator} {chips}")
-  per_host = chips if chips <= (4 if counts_cores else 8) else 4  # a single host, or 4 chips on each
-  return label, topology, chips // per_host, per_host
+  hosts, per_host = hardware.slice_hosts(parsed.tpu, chips)
+  return parsed.tpu.gke_label, topology, hosts, per_host
 
 
 def manifest(args) -> Dict:

@@ -29,16 +29,13 @@ import time
 from typing import List, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (CACHE_DIR_VAR, Runner, flag_value, parse_pod_args,  # noqa: E402  pylint: disable=wrong-import-position
+from _common import (CACHE_DIR_VAR, REPO_ROOT, Runner, flag_value, parse_pod_args,  # noqa: E402  pylint: disable=wrong-import-position
                      require_midas_args, split_midas_args, with_accelerator, with_compile_cache, workdir_note)
 import _tpu_worker as worker  # noqa: E402  pylint: disable=wrong-import-position
+from midas_jax import hardware  # noqa: E402  pylint: disable=wrong-import-position
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACTIONS = ("up", "create", "run", "queue", "watch", "logs", "stop", "delete")
 NEEDS_RUN = ("up", "create", "run", "queue", "watch")  # actions that install the run: a midas command after --
-# The TPU VM software version each generation boots with (gcloud's --version / --runtime-version).
-RUNTIMES = {"v4": "tpu-ubuntu2204-base", "v5litepod": "v2-alpha-tpuv5-lite", "v5e": "v2-alpha-tpuv5-lite",
-            "v5p": "v2-alpha-tpuv5", "v6e": "v2-alpha-tpuv6e"}
 REQUEUE_STATES = ("SUSPENDED", "FAILED")  # a queued resource in these holds no slice any more
 STARTUP_UNIT = "google-startup-scripts.service"  # the guest agent's unit that runs `startup-script`
 
@@ -94,11 +91,11 @@ def default_stage(midas_args: Sequence[str]):
 def runtime_version(args) -> str:
   if args.version:
     return args.version
-  generation = args.accelerator.split("-")[0]
-  if generation not in RUNTIMES:
+  generation = hardware.generation(args.accelerator)
+  if generation is None:
     raise SystemExit(f"no default runtime for accelerator {args.accelerator!r}: pass --version "
-                     f"(known generations: {', '.join(sorted(RUNTIMES))})")
-  return RUNTIMES[generation]
+                     f"(known generations: {', '.join(sorted(hardware.ACCELERATOR_NAMES))})")
+  return hardware.TPUS[generation].runtime
 
 
 def unit(args) -> str:

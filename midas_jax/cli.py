@@ -8,8 +8,9 @@
   midas study anchor|stacking --gin_file=F --workdir=DIR
   midas bench train|stacking|checkpoint|preemption|data|compile|compile-table ...
   midas data prepare|sample|write-corpus|train-spm ...
+  midas docs render [--check]
 
-Each commands module (midas_jax/commands/) registers its commands the same way; the module
+Each commands module (midas_jax/commands/) adds its commands the same way; the module
 docstrings there list every flag. Bad input (unknown flags or gin settings, impossible shapes,
 missing files, an unwritable workdir) ends with a one-paragraph message naming the setting and the
 fix, and exit status 2. A fault outside the config ends with a message saying what failed and what to do:
@@ -22,12 +23,13 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from midas_jax.commands import (bench_commands, convert_commands, data_commands, eval_commands,
+from midas_jax.commands import (bench_commands, convert_commands, data_commands, docs_commands, eval_commands,
                                 study_commands, train_commands)
 from midas_jax.commands.common import CommandGroup, split_gin_bindings
 from midas_jax.errors import ConfigError, FaultError, NonFiniteLossError
 
-COMMAND_MODULES = (train_commands, eval_commands, convert_commands, study_commands, bench_commands, data_commands)
+COMMAND_MODULES = (train_commands, eval_commands, convert_commands, study_commands, bench_commands, data_commands,
+                   docs_commands)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,7 +38,7 @@ def parser() -> argparse.ArgumentParser:
                                 epilog="Override any gin setting with --gin.Class.setting=VALUE.")
   root = CommandGroup(top.add_subparsers(dest="command", required=True, metavar="COMMAND"))
   for module in COMMAND_MODULES:
-    module.register(root)
+    module.add_commands(root)
   return top
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from midas_jax import fs
 from midas_jax.configs import RunConfig, StackingConfig
-from midas_jax.data.objectives import OBJECTIVES
+from midas_jax.data.ul2.objectives import OBJECTIVES
 from midas_jax.evals import figures
 from midas_jax.stacking.checks import schedule_for
 from midas_jax.train.checkpointer import NoCheckpointer

@@ -1,4 +1,4 @@
-"""The compute ceiling for MFU: a known accelerator peak, or a matmul measured on this machine.
+"""The compute ceiling for MFU: a known accelerator peak (hardware.py), or a matmul measured on this machine.
 
 Known peaks are the vendors' dense bf16 figures, the usual MFU denominator. CPUs (and chips not in
 the table) have none, so there the ceiling is measured, in the same process as the benchmark that
@@ -10,48 +10,14 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from midas_jax import hardware
 from midas_jax.errors import require
-
-# First match wins, on the lower-cased device_kind with spaces and dashes removed, so the more
-# specific names come first ("v5lite" before "v5", "h100pcie" before "h100").
-_KNOWN_BF16_PEAKS = (
-    ("v4lite", None),  # v4i: an inference part, not in the table
-    ("v4", 275e12),
-    ("v5lite", 197e12),  # how JAX names v5e
-    ("v5e", 197e12),
-    ("v5p", 459e12),
-    ("v5", 459e12),  # v5p reports plain "TPU v5"
-    ("v6lite", 918e12),  # how JAX names v6e (Trillium)
-    ("v6e", 918e12),
-    ("a100", 312e12),
-    ("h100pcie", 756e12),  # the PCIe card runs at lower clocks and power than SXM
-    ("h100", 989e12),
-    ("h200", 989e12),
-)
-
-
-def known_peak_flops(device: Union[Any, str]) -> Optional[float]:
-  """Dense bf16 FLOP/s of one accelerator chip, from a jax Device or a device_kind string.
-
-  None for CPUs and for kinds not in the table (measure those instead).
-  """
-  if isinstance(device, str):
-    kind = device
-  else:
-    if getattr(device, "platform", None) == "cpu":
-      return None
-    kind = getattr(device, "device_kind", "")
-  key = kind.lower().replace(" ", "").replace("-", "").replace("_", "")
-  for name, peak in _KNOWN_BF16_PEAKS:
-    if name in key:
-      return peak
-  return None
 
 
 def matmul_peak_sampler(dtype: str = "float32", accum_dtype: Optional[str] = None,
@@ -133,7 +99,7 @@ def peak_flops_with_source(override: Optional[float] = None, dtype: str = "bfloa
             "set the chip's peak FLOP/s, or None to look it up or measure it")
     return float(override), "override"
   device = jax.local_devices()[0]
-  known = known_peak_flops(device)
+  known = hardware.known_peak_flops(device)
   if known is not None:
     return known, f"known bf16 dense peak of {device.device_kind}"
   accum = f" with {accum_dtype} accumulation" if accum_dtype else ""

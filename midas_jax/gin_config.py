@@ -3,7 +3,9 @@
 Modules never read gin; only the entry points call `parse`, then `run_config_from_gin` or `build`.
 The config classes are registered with `gin.register`, which leaves the classes themselves alone:
 `ModelConfig(...)` means its defaults everywhere, whatever was parsed, and only a config built here
-(through gin's configurable version of the class) takes the bound values.
+(through gin's configurable version of the class) takes the bound values. The run's sections
+(configs.CONFIG_CLASSES) are registered here; the studies' configs, on a floor above, register
+themselves with `register` where they are defined (studies/anchor_config.py, studies/stacking_config.py).
 """
 
 from __future__ import annotations

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Dict, List, Mapping, MutableMapping, Optional, Tuple
 
+from midas_jax import hardware
 from midas_jax.configs import TPU_FLAGS
 
 ENV = "LIBTPU_INIT_ARGS"
 ACCELERATOR_VARS = ("MIDAS_TPU_ACCELERATOR", "TPU_ACCELERATOR_TYPE")
-
-# Accelerator type names as gcloud spells them, to the generation's short name.
-_GENERATION = (("v6e", "v6e"), ("v5litepod", "v5e"), ("v5e", "v5e"), ("v5p", "v5p"), ("v4", "v4"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,15 +59,6 @@ GROUPS = (
 )
 
 
-def generation(accelerator: str) -> Optional[str]:
-  """'v5p-128' -> 'v5p', 'v5litepod-64' -> 'v5e'; None for a name that is no TPU this table knows."""
-  name = accelerator.strip().lower()
-  for prefix, short in _GENERATION:
-    if re.match(rf"{prefix}(-|$)", name):
-      return short
-  return None
-
-
 def accelerator_from(environ: Mapping[str, str]) -> Optional[str]:
   for var in ACCELERATOR_VARS:
     if environ.get(var):
@@ -105,7 +93,7 @@ def apply(setting: str, num_slices: int = 1, remat_policy: str = "full", acceler
   assert setting in TPU_FLAGS, setting  # MeshConfig checked it
   environ = os.environ if environ is None else environ
   accelerator = accelerator or accelerator_from(environ)
-  gen = generation(accelerator) if accelerator else None
+  gen = hardware.generation(accelerator.strip().lower()) if accelerator else None
   if setting == "none" or gen is None:
     return {"accelerator": accelerator, "generation": gen, "added": []}
   ours = recommended(gen, num_slices, remat_policy)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Tuple
 
 import flax
 import flax.linen as nn
@@ -41,13 +41,19 @@ def _init_fn(model: Decoder, tx: optax.GradientTransformation, seq_len: int):
   return init
 
 
-def state_layout(model: Decoder, tx: optax.GradientTransformation, mesh: Mesh, rules,
-                 seq_len: int) -> StateLayout:
+def abstract_state(model: Decoder, tx: optax.GradientTransformation, seq_len: int) -> Tuple[TrainState, TrainState]:
+  """(shapes, logical axis names) of the TrainState: all growth needs, before any mesh (stacking/grow.py)."""
   boxed = jax.eval_shape(model.init, jax.random.key(0), dummy_batch(1, seq_len))["params"]
   param_specs = nn.get_partition_spec(boxed)
   abstract = jax.eval_shape(_init_fn(model, tx, seq_len), jax.random.key(0))
   logical = TrainState(step=P(), params=param_specs,
                        opt_state=sharding.mirror_param_specs(abstract.opt_state, abstract.params, param_specs))
+  return abstract, logical
+
+
+def state_layout(model: Decoder, tx: optax.GradientTransformation, mesh: Mesh, rules,
+                 seq_len: int) -> StateLayout:
+  abstract, logical = abstract_state(model, tx, seq_len)
   return StateLayout(abstract=abstract, logical=logical,
                      shardings=sharding.logical_to_sharding(logical, mesh, rules))
 

@@ -82,7 +82,7 @@ def ul2_rows(seed: int, num_rows: int, seq_len: int, vocab_size: int = 300):
   """Packed rows in which every row holds a causal, a prefix-LM and a span-corruption example of
   random lengths, then padding: the batch format of the pipeline, mixed within each row."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from midas_jax.data import objectives, packing  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.ul2 import objectives, packing  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
   special = objectives.special_tokens(vocab_size, extra_ids=128)
   denoisers = [objectives.Denoiser("causal", "causal"), objectives.Denoiser("prefix", "prefix", noise_density=0.5),

@@ -206,6 +206,7 @@ def test_growing_a_cell_copies_layers_and_their_adam_moments():
   import jax  # pylint: disable=import-outside-toplevel
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   from midas_jax.model import Decoder  # pylint: disable=import-outside-toplevel
+  from midas_jax.train_state import TrainState  # pylint: disable=import-outside-toplevel
   cfg = AnchorStudyConfig(model=dataclasses.replace(ANCHOR_MODEL, d_model=16, d_ff=32), steps=10,
                           optimizer=dataclasses.replace(ANCHOR_OPTIMIZER, warmup_steps=1))
   model = Decoder(anchor_cells.model_config(cfg, 0.5, 2))
@@ -217,9 +218,11 @@ def test_growing_a_cell_copies_layers_and_their_adam_moments():
                               for i, x in enumerate(leaves)])
 
   params = distinct(nn.unbox(shapes["params"]))
-  tx = anchor_cells.make_optimizer(cfg)
+  tx, _ = anchor_cells.cell_optimizer(cfg, cfg.optimizer.learning_rate)
   opt_state = distinct(tx.init(params))
-  grown, grown_opt = anchor_cells.grow(model, tx, params, opt_state, "midas")
+  state = TrainState(step=np.zeros((), np.int32), params=params, opt_state=opt_state)
+  _, grown_state = anchor_cells.next_stage(cfg, "midas", 0.5, 3, model, tx, state, jax.random.key(0))
+  grown, grown_opt = grown_state.params, grown_state.opt_state
   key = lambda path: tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)  # noqa: E731
   # The parameters of the scanned layer stack: everything under params["layers"], depth first.
   layered = {key(path) for path, _ in jax.tree_util.tree_leaves_with_path(params) if key(path)[0] == "layers"}

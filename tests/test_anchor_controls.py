@@ -17,6 +17,7 @@ from midas_jax.errors import ConfigError
 from midas_jax.model import Decoder
 from midas_jax.studies import anchor_cells, anchor_study
 from midas_jax.studies.anchor_config import ANCHOR_MODEL, ANCHOR_OPTIMIZER, AnchorStudyConfig
+from midas_jax.train_state import TrainState
 
 # Each weight matrix's fan-in at d_model 64, one head of 64, d_ff 256 (ModelConfig's "gamma" init: std = fan_in^-gamma).
 FAN_IN = {"query": 64, "key": 64, "value": 64, "out": 64, "fc": 64, "proj": 256}
@@ -67,13 +68,15 @@ def test_fresh_block_draws_its_new_layer_at_the_gamma_init_and_gradstack_copies(
   gamma = 0.5
   model = Decoder(anchor_cells.arm_model(cfg, "fresh_block", gamma, 2))
   params = anchor_cells.init_params(model, jax.random.key(0))
-  tx = anchor_cells.make_optimizer(cfg)
+  tx, _ = anchor_cells.cell_optimizer(cfg, cfg.optimizer.learning_rate)
   # Moments that are not zero (as after training), so a kept moment and a zeroed one differ.
   opt_state = jax.tree.map(lambda x: x + 0.5 if jnp.issubdtype(x.dtype, jnp.floating) else x, tx.init(params))
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
   key = jax.random.key(7)
-  fresh_model, fresh, fresh_opt = anchor_cells.next_stage(cfg, "fresh_block", gamma, 3, model, tx, params, opt_state,
-                                                          key)
-  copy_model, copied, _ = anchor_cells.next_stage(cfg, "gradstack", gamma, 3, model, tx, params, opt_state, key)
+  fresh_model, fresh_state = anchor_cells.next_stage(cfg, "fresh_block", gamma, 3, model, tx, state, key)
+  fresh, fresh_opt = fresh_state.params, fresh_state.opt_state
+  copy_model, copied = anchor_cells.next_stage(cfg, "gradstack", gamma, 3, model, tx, state, key)
+  copied = copied.params
   assert fresh_model.cfg.num_layers == copy_model.cfg.num_layers == 3
   draw = _leaves(anchor_cells.init_params(Decoder(anchor_cells.arm_model(cfg, "fresh_block", gamma, 3)), key))
   old, new, copy = _leaves(params), _leaves(fresh), _leaves(copied)

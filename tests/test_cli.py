@@ -148,7 +148,7 @@ def _leaf_parsers(parser, path=()):
       yield from _leaf_parsers(sub, path + (name,))
 
 
-def test_every_command_registers_the_same_way_with_a_handler():
+def test_every_command_is_added_the_same_way_with_a_handler():
   commands = dict(_leaf_parsers(cli.parser()))
   assert {("train",), ("compare",), ("inspect",), ("eval",), ("report",), ("export",), ("import",),
           ("study", "anchor"), ("study", "stacking"), ("bench", "train"), ("bench", "compile"),

@@ -1,7 +1,7 @@
 """Gradient reductions once per step: with microbatches, the reductions over the `data` axis (and its
 cross-slice part) run after the microbatch loop, not in it, in the optimized TPU program (libtpu
 compiles for a simulated slice on this CPU), and the values are those of one pass. Also the reader
-of collectives' replica groups and loops (bench/hlo_loops.py) that these checks stand on."""
+of collectives' replica groups and loops (analysis/hlo_loops.py) that these checks stand on."""
 
 import os
 
@@ -12,7 +12,7 @@ import pytest
 
 from conftest import tiny_model, tiny_run, ul2_rows
 from midas_jax import configs, sharding
-from midas_jax.bench import compile_bench, hlo_loops
+from midas_jax.analysis import hlo_loops, targets
 from midas_jax.model import dummy_batch
 from midas_jax.train import accumulate, build as build_lib, step as step_lib
 
@@ -118,7 +118,7 @@ def test_deferred_reductions_give_the_one_pass_loss_and_gradients(defer_fsdp):
 
 def _tpu_devices(topology):
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: another process may hold libtpu
-  devices, why = compile_bench.tpu_devices(compile_bench.parse_target(topology))
+  devices, why = targets.tpu_devices(targets.parse_target(topology))
   if devices is None:
     pytest.skip(why)
   return devices

@@ -10,7 +10,8 @@ import pytest
 
 from conftest import REPO_ROOT, tiny_model, tiny_run
 from midas_jax import cli, configs, flops, gin_config
-from midas_jax.bench import compile_bench, compile_table, memory_model
+from midas_jax.analysis import compile_table, memory_model, targets
+from midas_jax.bench import compile_bench
 from midas_jax.errors import ConfigError
 
 
@@ -75,10 +76,10 @@ def test_activation_terms_by_hand():
 def test_tpu_slices_are_named_as_gcloud_names_them():
   for name, devices, topology in (("v4-64", 32, "v4:2x4x4"), ("v4-8", 4, "v4:2x2x1"), ("v5p-128", 64, "v5:4x4x4"),
                                   ("v5litepod-256", 256, "v5e:16x16"), ("v5e-8", 8, "v5e:2x4")):
-    target = compile_bench.parse_target(name)
+    target = targets.parse_target(name)
     assert (target.num_devices, target.topology) == (devices, topology), name
-  assert compile_bench.parse_target("gpu-8").num_devices == 8
-  two = compile_bench.parse_target("2xv5p-128")
+  assert targets.parse_target("gpu-8").num_devices == 8
+  two = targets.parse_target("2xv5p-128")
   assert (two.num_devices, two.num_slices, two.topology) == (128, 2, "v5:4x4x4")
 
 
@@ -128,12 +129,12 @@ def test_analytic_estimate_for_a_tpu_slice(monkeypatch):
   text = compile_bench.format_report(report)
   assert "analytic" in text and "fits in 95.00 GiB" in text
   auto = compile_bench.run(config, topology="v5p-16")
-  if compile_bench.tpu_devices(compile_bench.parse_target("v5p-16"))[0] is None:  # no libtpu here
+  if targets.tpu_devices(targets.parse_target("v5p-16"))[0] is None:  # no libtpu here
     assert auto["method"] == "analytic" and "cannot describe a TPU slice" in auto["note"]
   else:  # the test extra's libtpu: compiled for the slice, with the v5p's libtpu flags set
     assert auto["method"] == "compiled" and auto["compiled"]["peak"] > 0 and auto["tpu_flags"]
     assert sum(auto["compiled"]["reductions_by_depth"].values()) > 0  # FSDP reduces gradients
-    # and priced by the cost model at the config's depth (bench/cost_model.py has the pricing's checks)
+    # and priced by the cost model at the config's depth (analysis/cost_model.py has the pricing's checks)
     step = auto["predicted"]["steps"][str(config.model.num_layers)]
     assert step["seconds"] > 0 and step["tokens_per_s_per_chip"] > 0 and 0 < step["mfu_bound"] < 1
     assert "a roofline lower bound on the step, not a measured time" in compile_bench.format_report(auto)

@@ -17,8 +17,8 @@ import pytest
 from conftest import tiny_model
 from midas_jax import cli, configs, convert
 from midas_jax.checkpoint import load_model
-from midas_jax.data.vocab import EOS_ID
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.vocab.factory import make_vocabulary
+from midas_jax.data.vocab.vocabulary import EOS_ID
 from midas_jax.errors import ConfigError
 from midas_jax.model import Decoder, dummy_batch
 from midas_jax.train.run import train
@@ -174,10 +174,11 @@ TEXTS = ["Hello world", "  two  spaces\nand a new line\n\n", " leading space", "
 
 
 def test_exported_tokenizers_give_our_ids(tmp_path):
-  from midas_jax.data import corpus, vocab  # pylint: disable=import-outside-toplevel
   from midas_jax.convert.tokenizer import write_tokenizer  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.sources import corpus  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.vocab import vocabulary  # pylint: disable=import-outside-toplevel
   text = corpus.write_text_files(str(tmp_path / "data"))["validation"]
-  spm = vocab.train_sentencepiece([text], str(tmp_path / "spm"), vocab_size=400, input_sentence_size=2000)
+  spm = vocabulary.train_sentencepiece([text], str(tmp_path / "spm"), vocab_size=400, input_sentence_size=2000)
   with open(text, encoding="utf-8") as f:
     sample = [line for line in f.read().splitlines() if line][:20]
   for data in (BYTE_DATA, configs.DataConfig(vocab="sentencepiece", spm_model=spm, extra_ids=7)):

@@ -17,7 +17,7 @@ import pytest
 from midas_jax import cli, configs, convert, gin_config
 from midas_jax.checkpoint import load_model
 from midas_jax.convert import shards
-from midas_jax.data import corpus
+from midas_jax.data.sources import corpus
 from midas_jax.errors import ConfigError
 from midas_jax.train.run import train
 from test_convert import hf_logits, our_logits

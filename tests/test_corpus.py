@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-from midas_jax.data import corpus
-from midas_jax.data.corpus import ATTRIBUTES, MIXTURE, SIZES, documents, question, world
+from midas_jax.data.sources import corpus
+from midas_jax.data.sources.corpus import ATTRIBUTES, KIND_SHARES, SIZES, documents, question, world
 
 
 def _of_kind(split, kind, seed=0):
@@ -60,8 +60,8 @@ def test_sizes_and_mixture(split):
   docs = documents(split)
   assert len(docs) == SIZES[split]
   counts = collections.Counter(d.kind for d in docs)
-  assert set(counts) == {k for k, _ in MIXTURE}
-  for kind, share in MIXTURE:
+  assert set(counts) == {k for k, _ in KIND_SHARES}
+  for kind, share in KIND_SHARES:
     assert abs(counts[kind] / len(docs) - share) < 0.01, (kind, counts[kind])
   mean_bytes = sum(len(d.text.encode()) for d in docs) / len(docs)
   assert 150 < mean_bytes < 500

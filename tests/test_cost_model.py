@@ -1,4 +1,4 @@
-"""The TPU compiler's predicted step time (bench/cost_model.py), read from real libtpu compiles.
+"""The TPU compiler's predicted step time (analysis/cost_model.py), read from real libtpu compiles.
 
 libtpu is in the test extra (Linux x86_64); jax describes a v5p slice without the hardware, so every
 program here is compiled for a TPU on this CPU. The checks: the cost model prices a plain matmul
@@ -18,16 +18,17 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import tiny_model, tiny_run
 from midas_jax import configs, flops, sharding
-from midas_jax.bench import compile_bench, cost_model, dcn_cost
+from midas_jax.analysis import cost_model, dcn_cost, targets
+from midas_jax.bench import compile_bench
 from midas_jax.model.kernels import flash, flash_attention
 
-V5P_PEAK = 459e12  # bf16 FLOP/s per v5p chip (device_peak.py)
+V5P_PEAK = 459e12  # bf16 FLOP/s per v5p chip (hardware.py)
 V5P_HBM_BYTES_PER_S = 2.765e12
 
 
 @pytest.fixture(scope="module")
 def v5p_8():
-  devices, why = compile_bench.tpu_devices(compile_bench.parse_target("v5p-8"))
+  devices, why = targets.tpu_devices(targets.parse_target("v5p-8"))
   assert devices is not None, f"libtpu (the test extra) should describe a v5p slice here: {why}"
   return devices
 
@@ -118,7 +119,7 @@ def test_microbatches_are_priced_unrolled(price):
 def test_sliced_prefetches_are_left_out_of_the_pricing_compile():
   # On a v5e, memory space assignment prefetches a large embedding into VMEM in asynchronous slices,
   # which the cost model prices at -1 s each; the pricing compiles turn them off.
-  devices, why = compile_bench.tpu_devices(compile_bench.parse_target("v5litepod-8"))
+  devices, why = targets.tpu_devices(targets.parse_target("v5litepod-8"))
   assert devices is not None, why
   config = _run(num_layers=1)
   config = dataclasses.replace(config, model=dataclasses.replace(config.model, d_model=256, d_ff=512,
@@ -168,7 +169,7 @@ def test_a_two_slice_step_is_priced_with_the_compilers_cross_slice_calls_at_zero
   slice, and the gradient it sends across slices is each chip's shard of the parameters."""
   programs = {}
   for slices, target in ((2, "2xv5p-8"), (1, "v5p-16")):
-    devices, why = compile_bench.tpu_devices(compile_bench.parse_target(target))
+    devices, why = targets.tpu_devices(targets.parse_target(target))
     assert devices is not None, why
     programs[slices] = compile_bench.compiled_train_step(_sliced_run(slices), devices,
                                                          compiler_options=cost_model.PRICING_OPTIONS)
@@ -185,7 +186,7 @@ def test_a_two_slice_step_is_priced_with_the_compilers_cross_slice_calls_at_zero
   # Across two slices each chip all-reduces its fsdp shard of the float32 gradient, and a few metrics. The
   # tied embedding's gradient crosses twice (its lookup's and its head's parts are reduced apart): measured
   # 1,581,568 bytes sent against 1,443,072 of parameters a chip, 32,768 x 4 of them the embedding's shard.
-  mesh = sharding.make_mesh(_sliced_run(2).mesh, compile_bench.tpu_devices(compile_bench.parse_target("2xv5p-8"))[0])
+  mesh = sharding.make_mesh(_sliced_run(2).mesh, targets.tpu_devices(targets.parse_target("2xv5p-8"))[0])
   params = compile_bench.state_bytes(compile_bench._parts(_sliced_run(2), mesh)[-1])["params"]
   embedding_shard = 512 * 256 // 4 * 4
   sent = dcn_cost.bytes_sent(two.as_text(), 2)

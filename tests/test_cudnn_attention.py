@@ -1,4 +1,4 @@
-"""The cuDNN attention path (model/cudnn_attention.py): what 'auto' picks on a GPU, the errors before any
+"""The cuDNN attention path (model/kernels/cudnn.py): what 'auto' picks on a GPU, the errors before any
 compile where cuDNN cannot run, and the call itself, made through XLA here (no GPU), against the dense path.
 
 cuDNN's kernel itself runs only on an NVIDIA GPU; this machine has none, so its numbers are not checked
@@ -17,7 +17,8 @@ from midas_jax import configs
 from midas_jax.bench import compile_bench
 from midas_jax.commands.common import load_run_config
 from midas_jax.errors import ConfigError
-from midas_jax.model import Decoder, attention, cudnn_attention, describe_mask
+from midas_jax.model import Decoder, attention, describe_mask
+from midas_jax.model.kernels import cudnn
 
 
 def test_auto_takes_cudnn_on_gpu_where_it_applies_and_dense_where_not():
@@ -52,7 +53,7 @@ def test_the_cudnn_call_through_xla_is_the_dense_path_on_packed_ul2_rows(kv_head
   k = jax.random.normal(kk, (2, 64, kv_heads, 16), jnp.float32)
   v = jax.random.normal(kv, (2, 64, kv_heads, 16), jnp.float32)
   dense = attention.dense_attention(q, k, v, mask)
-  through_xla = cudnn_attention.cudnn_attention(q, k, v, attention.dense_mask(mask), implementation=None)
+  through_xla = cudnn.cudnn_attention(q, k, v, attention.dense_mask(mask), implementation=None)
   np.testing.assert_allclose(through_xla, dense, rtol=1e-5, atol=1e-5)
   # attend() hands cuDNN the same call; an odd length (cuDNN needs an even one with a mask) goes dense.
   odd = describe_mask(*(jnp.asarray(batch[f])[:, :63] for f in ("segment_ids", "positions", "prefix_mask")))

@@ -143,8 +143,8 @@ def test_the_span_only_pipeline_is_the_runs_own_with_its_vocabulary(tmp_path):
   span-only pipeline ours-vs-t5 times must carry the run's sentinels, mode ids and start token."""
   import sentencepiece  # pylint: disable=import-outside-toplevel
   from midas_jax import configs  # pylint: disable=import-outside-toplevel
-  from midas_jax.data import corpus  # pylint: disable=import-outside-toplevel
   from midas_jax.data.factory import load_data  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.sources import corpus  # pylint: disable=import-outside-toplevel
   text = tmp_path / "t.txt"
   text.write_text("\n".join(d.text for d in corpus.documents("validation")[:200]), encoding="utf-8")
   sentencepiece.SentencePieceTrainer.Train(input=str(text), model_prefix=str(tmp_path / "m"), vocab_size=400,

@@ -36,7 +36,7 @@ def _read(workdir, suite):
 
 
 def test_every_suite_writes_json_with_the_checkpoint_step_stage_and_depth(evaluated):
-  for name in suites.SUITES:
+  for name in suites.resolve("all"):
     record = _read(evaluated, name)
     assert (record["suite"], record["step"], record["stage"], record["depth"]) == (name, STEPS, 2, 2)
     assert record["options"]["k_shot"] == 1 and record["options"]["num_examples"] == 4
@@ -137,6 +137,14 @@ def test_a_params_only_export_is_enough_and_a_baseline_needs_a_block_size(evalua
 def test_bad_eval_flags_exit_2_naming_the_setting(evaluated, argv, named, capsys):
   assert cli.main(["eval", f"--workdir={evaluated}"] + argv) == 2
   assert named in capsys.readouterr().err
+
+
+def test_suites_live_in_modules_named_for_them_and_lm_eval_runs_alone():
+  named_otherwise = {"primitives_finetune": "finetune", "lm_eval": "lm_eval_adapter"}
+  for name, module in suites.SUITES.items():
+    assert module.__name__ == f"midas_jax.evals.{named_otherwise.get(name, name)}"
+  assert suites.runs_alone("lm_eval") and not any(suites.runs_alone(n) for n in suites.SUITES if n != "lm_eval")
+  assert suites.resolve("all") == [n for n in suites.SUITES if n != "lm_eval"]
 
 
 def test_missing_workdirs_exit_2(tmp_path, capsys):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_model
-from midas_jax.data import corpus
+from midas_jax.data.sources import corpus
 from midas_jax.errors import ConfigError
 from midas_jax.evals import delta_l
 from midas_jax.model import Decoder, dummy_batch

@@ -3,7 +3,7 @@
 import numpy as np
 
 from midas_jax.configs import DataConfig
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.evals import embeddings
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_model
-from midas_jax.data import corpus
-from midas_jax.data.vocab import ByteVocabulary
+from midas_jax.data.sources import corpus
+from midas_jax.data.vocab.vocabulary import ByteVocabulary
 from midas_jax.errors import ConfigError
 from midas_jax.evals import decoding, finetune, memorization, primitives, scoring
 from midas_jax.model import Decoder, dummy_batch
@@ -68,9 +68,9 @@ def test_every_generated_answer_matches_an_independent_computation(task):
 
 @pytest.mark.parametrize("task", list(primitives.TASKS))
 def test_k_shot_prompts_are_deterministic_and_every_shot_is_solved_correctly(task):
-  a = primitives.k_shot_examples(task, 12, 5, seed=3, encode=VOCAB.encode, max_prompt_tokens=240)
-  b = primitives.k_shot_examples(task, 12, 5, seed=3, encode=VOCAB.encode, max_prompt_tokens=240)
-  c = primitives.k_shot_examples(task, 12, 5, seed=4, encode=VOCAB.encode, max_prompt_tokens=240)
+  a = primitives.k_shot_questions(task, 12, 5, seed=3, encode=VOCAB.encode, max_prompt_tokens=240)
+  b = primitives.k_shot_questions(task, 12, 5, seed=3, encode=VOCAB.encode, max_prompt_tokens=240)
+  c = primitives.k_shot_questions(task, 12, 5, seed=4, encode=VOCAB.encode, max_prompt_tokens=240)
   assert [e.to_dict() for e in a] == [e.to_dict() for e in b]
   assert [e.prompt for e in a] != [e.prompt for e in c]
   for ex in a:
@@ -84,13 +84,13 @@ def test_k_shot_prompts_are_deterministic_and_every_shot_is_solved_correctly(tas
 
 
 def test_prompts_that_do_not_fit_drop_their_first_shots_or_fail_clearly():
-  full = primitives.k_shot_examples("assignment_depth2", 4, 5, seed=0, encode=VOCAB.encode, max_prompt_tokens=1000)
-  short = primitives.k_shot_examples("assignment_depth2", 4, 5, seed=0, encode=VOCAB.encode, max_prompt_tokens=100)
+  full = primitives.k_shot_questions("assignment_depth2", 4, 5, seed=0, encode=VOCAB.encode, max_prompt_tokens=1000)
+  short = primitives.k_shot_questions("assignment_depth2", 4, 5, seed=0, encode=VOCAB.encode, max_prompt_tokens=100)
   for f, s in zip(full, short):
     assert len(VOCAB.encode(s.prompt)) <= 100 and 0 < s.meta["shots"] < 5
     assert f.prompt.endswith(s.prompt)  # the last shots and the query are kept
   with pytest.raises(ConfigError, match="DataConfig.seq_len"):
-    primitives.k_shot_examples("assignment_depth2", 2, 5, seed=0, encode=VOCAB.encode, max_prompt_tokens=20)
+    primitives.k_shot_questions("assignment_depth2", 2, 5, seed=0, encode=VOCAB.encode, max_prompt_tokens=20)
 
 
 def test_memorization_questions_ask_the_worlds_facts():
@@ -131,7 +131,7 @@ def test_exact_match_on_hand_made_predictions(prediction, answer, match):
 
 
 def test_a_completion_counts_only_if_its_line_ended():
-  examples = [primitives.Example("p ->", " 5"), primitives.Example("p ->", " 5"), primitives.Example("p ->", " 5")]
+  examples = [primitives.Question("p ->", " 5"), primitives.Question("p ->", " 5"), primitives.Question("p ->", " 5")]
   completions = [decoding.Completion(" 5\n", (), True), decoding.Completion(" 5", (), False),
                  decoding.Completion(" 6\n", (), True)]
   records = scoring.score(examples, completions)

@@ -179,8 +179,8 @@ def test_remat_policies_that_keep_projections_keep_the_kernel_output(policy, for
 
 
 def _tpu_chip():
-  from midas_jax.bench import compile_bench  # pylint: disable=import-outside-toplevel
-  devices, why = compile_bench.tpu_devices(compile_bench.parse_target("v5p-2"))
+  from midas_jax.analysis import targets  # pylint: disable=import-outside-toplevel
+  devices, why = targets.tpu_devices(targets.parse_target("v5p-2"))
   if devices is None:
     pytest.skip(why)
   return devices[0]

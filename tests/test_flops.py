@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from midas_jax.bench.dot_dtypes import stablehlo_dots
+from midas_jax.analysis.dot_dtypes import stablehlo_dots
 from midas_jax.configs import ModelConfig
 from midas_jax.errors import ConfigError
 from midas_jax.flops import (forward_flops_per_token, layer_applications, matmul_params, param_counts,

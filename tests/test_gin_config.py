@@ -1,6 +1,8 @@
 """gin at the edges: parsed bindings configure what gin builds, and nothing else."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -57,3 +59,21 @@ def test_an_unknown_setting_names_the_valid_ones():
   with pytest.raises(ConfigError) as e:
     gin_config.parse(["experiments/cpu_demo.gin"], ["ObjectivesConfig.span_rates=0.5"])
   assert e.value.setting == "ObjectivesConfig.span_rates" and "span_rate" in e.value.fix
+
+
+def test_the_study_configs_bind_by_name_without_the_commands_and_stay_untouched():
+  # they register themselves where they are defined (gin_config sits below studies), so a study
+  # config binds in a process that never imports the commands
+  script = """
+import sys
+from midas_jax import gin_config
+from midas_jax.studies.anchor_config import AnchorStudyConfig
+from midas_jax.studies.stacking_config import StackingStudyConfig
+gin_config.parse(["experiments/study_stacking_cpu.gin"], ["AnchorStudyConfig.depths = [4]"])
+assert gin_config.build(AnchorStudyConfig).depths == (4,), "AnchorStudyConfig"
+assert gin_config.build(StackingStudyConfig).k_shot == 3, "StackingStudyConfig"  # the file binds it
+assert AnchorStudyConfig().depths == (2, 3) and StackingStudyConfig().k_shot == 5
+assert not any(m.startswith("midas_jax.commands") for m in sys.modules), "the commands were imported"
+"""
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr[-2000:]

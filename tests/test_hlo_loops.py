@@ -1,6 +1,6 @@
-"""bench/hlo_loops.py reads which loops each collective of an optimized HLO module runs in."""
+"""analysis/hlo_loops.py reads which loops each collective of an optimized HLO module runs in."""
 
-from midas_jax.bench import hlo_loops
+from midas_jax.analysis import hlo_loops
 
 # The shape of a libtpu module with a microbatch loop around a scanned layer stack: a reduction in
 # ENTRY, one in the microbatch loop's body, one in a fusion the layer loop's body calls, an async

@@ -172,15 +172,41 @@ def module_edges(imports: Dict[str, List[Import]]) -> Dict[str, set]:
   return {m: {i.target for i in imps if own(i) and i.target != m} for m, imps in imports.items()}
 
 
-def folder_edges(imports: Dict[str, List[Import]]) -> Dict[str, set]:
-  """Imports between the package's top-level modules and folders (data, train, ...)."""
-  top = lambda m: m.split(".")[1] if "." in m else m  # noqa: E731
-  edges = collections.defaultdict(set)
+def folder_edges(imports: Dict[str, List[Import]]) -> Dict[str, Dict[str, set]]:
+  """{folder: the imports between its parts}, for the package ("") and every folder at any depth.
+
+  An import counts in the deepest folder that holds both its ends, as an edge between the parts that
+  hold them there: a sub-folder as a whole (everything under it), or the folder's own modules, its
+  __init__ among them, as one part named after the folder. At the top each module is a part of its
+  own (errors, cli) beside the folders (data, train). So data/'s own modules importing data/store/
+  while data/store/ imports them is the cycle data <-> data.store, found in folder data; two sibling
+  folders importing each other (data.store <-> data.ul2) are a cycle there too.
+  """
+  folders = {m for m in imports if any(other.startswith(m + ".") for other in imports)}
+
+  def holders(module: str) -> List[str]:  # the folders holding `module` below the package, outermost first
+    parts = module.split(".")[1:]
+    return parts if module in folders else parts[:-1]
+
+  edges = collections.defaultdict(lambda: collections.defaultdict(set))
   for module, imps in imports.items():
     for imp in imps:
-      if own(imp) and top(imp.target) != top(module):
-        edges[top(module)].add(top(imp.target))
+      if not own(imp) or PACKAGE in (module, imp.target):  # the package itself holds only a docstring
+        continue
+      a, b = holders(module), holders(imp.target)
+      depth = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+      folder = ".".join(a[:depth])
+      part = lambda held, name: (".".join(held[:depth + 1]) if len(held) > depth  # noqa: E731
+                                 else folder or name.split(".")[1])
+      source, target = part(a, module), part(b, imp.target)
+      if source != target:
+        edges[folder][source].add(target)
   return edges
+
+
+def folder_cycles(imports: Dict[str, List[Import]]) -> List[List[str]]:
+  """The cycles among the parts of each folder (folder_edges), the package's own first."""
+  return [c for _, edges in sorted(folder_edges(imports).items()) for c in cycles(edges)]
 
 
 def function_level_imports(imports: Dict[str, List[Import]], lazy: Sequence[str]) -> List[str]:
@@ -215,7 +241,7 @@ def test_no_import_points_up_a_floor(imports, floors):
 
 def test_no_module_and_no_folder_imports_in_a_circle(imports):
   assert cycles(module_edges(imports)) == []
-  assert cycles(folder_edges(imports)) == []
+  assert folder_cycles(imports) == []
 
 
 def test_the_package_is_imported_at_module_level_and_only_heavy_libraries_lazily(imports):
@@ -234,11 +260,15 @@ def test_each_check_fails_on_a_package_that_breaks_it(tmp_path):
   (pkg / "high.py").write_text("import os\n\ndef f():\n  from midas_jax.low import c\n  import json\n"
                                "  import matplotlib.pyplot\n")
   (pkg / "b.py").write_text("")
+  (pkg / "low" / "sub").mkdir()  # low's own modules and its sub-folder import each other: low <-> low.sub
+  (pkg / "low" / "sub" / "__init__.py").write_text("")
+  (pkg / "low" / "sub" / "e.py").write_text("from midas_jax.low import d\n")
+  (pkg / "low" / "f.py").write_text("from midas_jax.low.sub import e\n")
   found = read_imports(tmp_path)
   floors = {"low": 1, "high": 2, "b": 2}
   assert upward_imports(found, floors) == ["midas_jax.low.a:1 (floor 1) imports midas_jax.high (floor 2)"]
   assert cycles(module_edges(found)) == [["midas_jax.low.c", "midas_jax.low.d"]]
-  assert cycles(folder_edges(found)) == [["high", "low"]]
+  assert folder_cycles(found) == [["high", "low"], ["low", "low.sub"]]
   assert function_level_imports(found, ("matplotlib",)) == ["midas_jax.high:4 imports midas_jax.low.c inside a function",
                                                               "midas_jax.high:5 imports json inside a function"]
   assert floor_of("midas_jax.low.a", floors) == 1 and floor_of("midas_jax.other", floors) is None

@@ -2,7 +2,7 @@
 tests/lm_eval_tasks/: `midas eval --suite=lm_eval` writes the harness's results, and every number the
 harness got from the model is checked against our own code on the same tokens:
 
-  loglikelihood          = likelihood.continuation_logprobs (the primitive_scores suite), summed
+  loglikelihood          = continuations.logprobs (what the primitive_scores suite reads), summed
   loglikelihood_rolling  = the same, window by window: each window predicts the next max_length
                            tokens (the last one fewer) from the max_length + 1 tokens that end it
   generate_until         = decoding.greedy_decode without a cache or early stop, cut at the first
@@ -29,9 +29,9 @@ import pytest  # noqa: E402
 from conftest import tiny_model  # noqa: E402
 from midas_jax import cli, configs  # noqa: E402
 from midas_jax.checkpoint import load_model, write_params_export  # noqa: E402
-from midas_jax.data.vocab import ByteVocabulary  # noqa: E402
+from midas_jax.data.vocab.vocabulary import ByteVocabulary  # noqa: E402
 from midas_jax.errors import ConfigError  # noqa: E402
-from midas_jax.evals import decoding, likelihood, lm_eval_adapter  # noqa: E402
+from midas_jax.evals import continuations, decoding, lm_eval_adapter  # noqa: E402
 from midas_jax.model import Decoder, dummy_batch  # noqa: E402
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -76,8 +76,8 @@ def _requests(record, task):
 
 
 def _our_sums(model, rows, max_length=MAX_LENGTH):
-  """(sum of the continuation's log-probs in float64, all greedy) from our likelihood suite."""
-  logps = likelihood.continuation_logprobs(model.params, model.model_config, rows, max_length, batch_size=8)
+  """(sum of the continuation's log-probs in float64, all greedy) as the primitive_scores suite reads them."""
+  logps = continuations.logprobs(model.params, model.model_config, rows, max_length, batch_size=8)
   out = []
   for (_, cont), lp in zip(rows, logps):
     token_lp = [float(lp[j, t]) for j, t in enumerate(cont)]
@@ -96,7 +96,7 @@ def test_the_command_writes_the_harness_results_with_the_checkpoint(harness, cap
   assert [len(record["results"]["samples"][t]) for t in TASKS] == [6, 3, 5]  # every doc of the jsonl files
 
 
-def test_loglikelihood_equals_our_likelihood_suite(harness):
+def test_loglikelihood_equals_our_primitive_scores_reading(harness):
   model, record = harness
   requests = _requests(record, "midas_choice")
   assert len(requests) == 18  # one per choice
@@ -186,16 +186,16 @@ def test_rows_compile_a_few_widths_and_long_rows_lose_their_oldest_context(expor
   cfg = model.model_config
   rng = np.random.default_rng(0)
   rows = [(list(rng.integers(3, 200, n)), list(rng.integers(3, 200, 3))) for n in range(1, 61, 3)]
-  fn = lm_eval_adapter._token_logprob_fn(cfg)
+  fn = continuations._totals_fn(cfg)
   before = fn._cache_size()
-  got = lm_eval_adapter.score_rows(model.params, cfg, rows, MAX_LENGTH, batch_size=4)
+  got = continuations.totals(model.params, cfg, rows, MAX_LENGTH, batch_size=4)
   assert fn._cache_size() - before <= 2  # widths 32 and 64, batches of 4
   ours = _our_sums(model, rows)
   assert all(abs(a[0] - b[0]) <= TOKEN_ATOL * 3 and a[1] == b[1] for a, b in zip(got, ours))
-  assert [lm_eval_adapter.bucket_width(n, 64) for n in (1, 32, 33, 64, 65)] == [32, 32, 64, 64, 64]
+  assert [continuations.bucket_width(n, 64) for n in (1, 32, 33, 64, 65)] == [32, 32, 64, 64, 64]
   long_row = (list(rng.integers(3, 200, 90)), [7, 8, 9])
   kept = (long_row[0][-(MAX_LENGTH + 1 - 3):], long_row[1])
-  [a, b] = lm_eval_adapter.score_rows(model.params, cfg, [long_row, kept], MAX_LENGTH, batch_size=2)
+  [a, b] = continuations.totals(model.params, cfg, [long_row, kept], MAX_LENGTH, batch_size=2)
   assert abs(a[0] - b[0]) <= 1e-6 and a[1] == b[1]
 
 

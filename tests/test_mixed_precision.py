@@ -16,7 +16,7 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from conftest import layer_config, tiny_model, tiny_run, ul2_rows
 from midas_jax import configs
-from midas_jax.bench import dot_dtypes
+from midas_jax.analysis import dot_dtypes
 from midas_jax.errors import ConfigError
 from midas_jax.model import attention, describe_mask, dot_support, matmul, transformer
 from midas_jax.model.matmul import dot_to_float32

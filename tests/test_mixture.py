@@ -18,14 +18,15 @@ from midas_jax.checkpoint import available_steps, checkpoint_dir
 from midas_jax.checkpoint.metadata import config_from_dict, config_to_dict
 from midas_jax.configs import DataConfig, RunConfig, StackingConfig
 from midas_jax.configs.data import MixtureSource
-from midas_jax.data import corpus, mixture
+from midas_jax.data import mixture
 from midas_jax.data.factory import load_data
-from midas_jax.data.packing import FIELDS
 from midas_jax.data.pipeline import tokenize_documents
+from midas_jax.data.sources import corpus
 from midas_jax.data.store import format as store_format
 from midas_jax.data.store import writer
 from midas_jax.data.store.pipeline import PreparedPipeline
-from midas_jax.data.vocab import ByteVocabulary
+from midas_jax.data.ul2.packing import FIELDS
+from midas_jax.data.vocab.vocabulary import ByteVocabulary
 from midas_jax.errors import ConfigError
 from midas_jax.train.metrics import read_metrics
 from midas_jax.train.run import train

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import layer_config, tiny_model
-from midas_jax.data.packing import Example, pack_row, stack_rows
+from midas_jax.data.ul2.packing import Example, pack_row, stack_rows
 from midas_jax.model import Decoder, describe_mask, dummy_batch, make_attention_mask
 from midas_jax.model.layers import Block, Norm
 

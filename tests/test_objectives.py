@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from midas_jax.data import objectives as obj
-from midas_jax.data.packing import pack_row
-from midas_jax.data.vocab import ByteVocabulary
+from midas_jax.data.ul2 import objectives as obj
+from midas_jax.data.ul2.packing import pack_row
+from midas_jax.data.vocab.vocabulary import ByteVocabulary
 from midas_jax.errors import ConfigError
 
 TEXT_MAX = 1000                                 # text ids in [3, TEXT_MAX)
@@ -237,7 +237,7 @@ def test_mode_token_missing_from_special_tokens_raises():
 
 def test_numpy_only():
   import subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
-  code = ("import sys, midas_jax.data.objectives; "
+  code = ("import sys, midas_jax.data.ul2.objectives; "
           "print(any(m in sys.modules for m in ('tensorflow', 'jax', 'seqio')))")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "False"

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from midas_jax.data.packing import (FIELD_DTYPES, FIELDS, Example, empty_rows, pack_row, pack_rows,
+from midas_jax.data.ul2.packing import (FIELD_DTYPES, FIELDS, Example, empty_rows, pack_row, pack_rows,
                                     packing_efficiency, stack_rows)
 
 MAX_LEN = 24

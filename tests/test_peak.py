@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from midas_jax import device_peak as peak
+from midas_jax import hardware
 from midas_jax.errors import ConfigError
 
 SIZE = 64
@@ -67,12 +68,12 @@ def test_the_probe_reports_one_devices_matmul_flops_over_the_median_run(probe, d
     ("NVIDIA H200", 989e12), ("NVIDIA GeForce RTX 4090", None), ("TPU v4 lite", None), ("cpu", None),
 ])
 def test_known_peaks(kind, expected):
-  assert peak.known_peak_flops(kind) == expected
-  assert peak.known_peak_flops(types.SimpleNamespace(platform="gpu", device_kind=kind)) == expected
+  assert hardware.known_peak_flops(kind) == expected
+  assert hardware.known_peak_flops(types.SimpleNamespace(platform="gpu", device_kind=kind)) == expected
 
 
 def test_cpu_device_has_no_known_peak():
-  assert peak.known_peak_flops(jax.devices("cpu")[0]) is None
+  assert hardware.known_peak_flops(jax.devices("cpu")[0]) is None
 
 
 def test_peak_per_device_order(monkeypatch):

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from midas_jax.configs import DataConfig, ObjectivesConfig
-from midas_jax.data import corpus, sources
-from midas_jax.data.packing import FIELD_DTYPES, FIELDS, packing_efficiency
 from midas_jax.data.pipeline import Pipeline, tokenize_documents
-from midas_jax.data.vocab import ByteVocabulary
+from midas_jax.data.sources import corpus, text_files
+from midas_jax.data.ul2.packing import FIELD_DTYPES, FIELDS, packing_efficiency
+from midas_jax.data.vocab.vocabulary import ByteVocabulary
 from midas_jax.errors import ConfigError
 
 SPLITS = ("train", "validation")
@@ -17,7 +17,7 @@ DOC_SEP = b"\xfe"  # never in UTF-8, so never in an encoded segment
 
 def load(config):
   vocab = ByteVocabulary(config.extra_ids)
-  return {s: tokenize_documents(sources.load_documents(config, s), vocab) for s in SPLITS}
+  return {s: tokenize_documents(text_files.load_documents(config, s), vocab) for s in SPLITS}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_the_builtin_corpus_is_what_the_tests_check_against(documents):
   cfg = DataConfig()
   assert len(documents["train"]) == corpus.SIZES["train"]
   assert len(documents["validation"]) == corpus.SIZES["validation"]
-  texts = sources.load_documents(cfg, "train")
+  texts = text_files.load_documents(cfg, "train")
   assert ByteVocabulary().decode(documents["train"][17]) == texts[17]
 
 
@@ -237,7 +237,7 @@ def test_packing_efficiency_of_the_builtin_corpus_at_seq_len_256(documents):
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from midas_jax.data import objectives  # noqa: E402
+from midas_jax.data.ul2 import objectives  # noqa: E402
 
 UL2_FULL = ((3.0, 0.15), (8.0, 0.15), (3.0, 0.5), (8.0, 0.5), (64.0, 0.15), (64.0, 0.5))
 
@@ -334,7 +334,7 @@ def test_too_few_extra_ids_for_the_sentinels_is_refused(documents):
 
 # ----------------------------------------------------------------------------- speed machinery
 
-from midas_jax.data import streams  # noqa: E402
+from midas_jax.data.ul2 import streams  # noqa: E402
 
 
 def test_span_examples_have_the_t5_counts(documents):

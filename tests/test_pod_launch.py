@@ -20,11 +20,11 @@ from packaging.specifiers import SpecifierSet
 
 from conftest import REPO_ROOT
 from midas_jax.configs import DataConfig
-from midas_jax.data import sources
 from midas_jax.data.pipeline import tokenize_documents
+from midas_jax.data.sources import text_files
 from midas_jax.data.store import format as store_format
 from midas_jax.data.store import writer
-from midas_jax.data.vocab import ByteVocabulary
+from midas_jax.data.vocab.vocabulary import ByteVocabulary
 from test_launch import dry_run
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "launch"))
@@ -356,7 +356,7 @@ def test_a_run_on_a_prepared_store_needs_only_the_core_and_the_tpu_extra(tmp_pat
   _, extras, _ = setup_py()
   for name in extras["tpu"]:  # what tpu_pod.py and the Dockerfile install on a pod's workers
     assert not any(heavy.replace("_", "-") in name.lower() for heavy in HEAVY + ("tensorflow",)), name
-  documents = {s: tokenize_documents(sources.load_documents(DataConfig(), s), ByteVocabulary(128))[:200]
+  documents = {s: tokenize_documents(text_files.load_documents(DataConfig(), s), ByteVocabulary(128))[:200]
                for s in ("train", "validation")}
   writer.write_store(str(tmp_path / "store"), documents, ByteVocabulary(128),
                      store_format.source_description(DataConfig()), documents_per_shard=64)

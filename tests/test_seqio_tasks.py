@@ -9,8 +9,8 @@ import pytest
 
 seqio = pytest.importorskip("seqio")  # the data stack is an optional extra; CI installs it
 
-from midas_jax.data import corpus, seqio_tasks  # noqa: E402
-from midas_jax.data.vocab import (ByteVocabulary, SentencePieceVocabulary,  # noqa: E402
+from midas_jax.data.sources import corpus, seqio_tasks  # noqa: E402
+from midas_jax.data.vocab.vocabulary import (ByteVocabulary, SentencePieceVocabulary,  # noqa: E402
                                   train_sentencepiece)
 from midas_jax.errors import ConfigError  # noqa: E402
 
@@ -22,8 +22,8 @@ def _targets(task, split, n):
 
 def test_importing_the_data_package_imports_no_tensorflow():
   code = ("import sys\n"
-          "import midas_jax.data, midas_jax.data.vocab, midas_jax.data.corpus\n"
-          "import midas_jax.data.sources, midas_jax.data.seqio_tasks\n"
+          "import midas_jax.data, midas_jax.data.vocab.vocabulary, midas_jax.data.sources.corpus\n"
+          "import midas_jax.data.sources.text_files, midas_jax.data.sources.seqio_tasks\n"
           "print(sorted(m for m in ('seqio', 'tensorflow', 'tensorflow_text') if m in sys.modules))\n")
   repo = pathlib.Path(__file__).resolve().parents[1]
   out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from midas_jax.configs import DataConfig
-from midas_jax.data import corpus
-from midas_jax.data.sources import HOLDOUT_EVERY, load_documents
+from midas_jax.data.sources import corpus
+from midas_jax.data.sources.text_files import HOLDOUT_EVERY, load_documents
 from midas_jax.errors import ConfigError
 
 

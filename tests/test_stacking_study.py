@@ -14,7 +14,7 @@ from midas_jax.checkpoint import load_model
 from midas_jax.data.factory import load_data
 from midas_jax.errors import ConfigError
 from midas_jax.model import Decoder
-from midas_jax.studies import stacking_study, stacking_study_page
+from midas_jax.studies import stacking_config, stacking_study, stacking_study_page, study_arms
 from midas_jax.stacking.schedule import cumulative_flops, schedule_from_config
 
 TINY = ["--gin.ModelConfig.d_model=32", "--gin.ModelConfig.num_layers=2", "--gin.ModelConfig.num_heads=2",
@@ -113,12 +113,12 @@ def test_the_study_trains_a_stacked_arm_measures_growth_on_its_own_batches_score
 
 def test_every_arm_is_the_run_config_with_its_own_depth_steps_and_seed(repo_root):
   """The default study's four arms, as train_cell trains them: the cut baseline spends MIDAS's FLOPs."""
-  from midas_jax.data.vocabularies import make_vocabulary  # pylint: disable=import-outside-toplevel
   from midas_jax.commands.study_commands import stacking_study_from_gin  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.vocab.factory import make_vocabulary  # pylint: disable=import-outside-toplevel
   # Stage lengths bound in gin (Prop-1's own here) must not reach the baselines' StackingConfig.
   gin_file = os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")
   run, study, _ = stacking_study_from_gin([gin_file], ["StackingConfig.stage_steps = (12, 24, 36, 48)"])
-  assert study.arms == stacking_study.ARMS and len(study.seeds) >= 2
+  assert study.arms == stacking_config.ARMS and len(study.seeds) >= 2
   vocab = make_vocabulary(run.data).vocab_size
   model, data = run.model.with_vocab(vocab), run.data
 
@@ -126,14 +126,14 @@ def test_every_arm_is_the_run_config_with_its_own_depth_steps_and_seed(repo_root
     schedule = schedule_from_config(config.stacking, config.trainer.num_steps, model.num_layers)
     return cumulative_flops(model, data.seq_len, data.batch_size * data.seq_len, schedule, schedule.num_steps)
 
-  arms = {arm: stacking_study.arm_config(run, arm, 1, vocab) for arm in stacking_study.ARMS}
+  arms = {arm: study_arms.arm_config(run, arm, 1, vocab) for arm in stacking_config.ARMS}
   for arm, config in arms.items():
     assert (config.trainer.seed, config.data.seed) == (1, 1), arm  # one seed: the init and the data order
     assert config.model == run.model and config.optimizer == run.optimizer, arm
     assert config.checkpoint.keep == run.stacking.num_stages + 1  # every boundary's checkpoint is kept
   for arm in ("baseline", "baseline_equal_flops"):
     assert arms[arm].stacking == configs.StackingConfig(num_stages=1, block_size=None, stage_steps=None)
-  for arm in stacking_study.STACKED:
+  for arm in stacking_config.STACKED:
     assert arms[arm].stacking == dataclasses.replace(run.stacking, operator=arm)
     assert arms[arm].trainer.num_steps == arms["baseline"].trainer.num_steps == run.trainer.num_steps
   cut, stacked = arms["baseline_equal_flops"], total_flops(arms["midas"])
@@ -172,7 +172,7 @@ def test_bad_study_settings_are_named(tmp_path, repo_root, capsys):
   assert cli.main(args + ["--gin.TrainerConfig.eval_every=5"]) == 2  # misses the boundaries 12, 36, 72
   assert "TrainerConfig.eval_every" in capsys.readouterr().err
   with pytest.raises(ConfigError, match="StackingStudyConfig.seeds"):
-    stacking_study.StackingStudyConfig(seeds=(0, 0))
+    stacking_config.StackingStudyConfig(seeds=(0, 0))
 
 
 def _cell(arm, seed, loss, flops, curve=(), growths=(), fc=0.5):
@@ -189,7 +189,7 @@ def test_paired_differences_interpolation_and_resolution_on_hand_made_cells():
   cells = [_cell("baseline", 0, 2.0, 100.0, curve), _cell("baseline", 1, 2.1, 100.0, curve),
            _cell("midas", 0, 2.3, 75.0, growths=[growth(3.0, 3.4)]),
            _cell("midas", 1, 2.4, 75.0, growths=[growth(3.1, 3.6)])]
-  study = stacking_study.StackingStudyConfig(seeds=(0, 1), arms=("baseline", "midas"))
+  study = stacking_config.StackingStudyConfig(seeds=(0, 1), arms=("baseline", "midas"))
   summary = stacking_study_page.summarize(cells, study)
   midas = summary["comparisons"]["midas"]
   assert midas["minus_baseline_equal_steps"]["values"] == [pytest.approx(0.3), pytest.approx(0.3)]

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 from midas_jax.configs import DataConfig, ObjectivesConfig
-from midas_jax.data import sources, streams
-from midas_jax.data.packing import FIELDS, packing_efficiency
 from midas_jax.data.pipeline import tokenize_documents
+from midas_jax.data.sources import text_files
 from midas_jax.data.store import format as store_format
 from midas_jax.data.store import permutation, writer
 from midas_jax.data.store.pipeline import PreparedPipeline
-from midas_jax.data.vocab import ByteVocabulary
+from midas_jax.data.ul2 import streams
+from midas_jax.data.ul2.packing import FIELDS, packing_efficiency
+from midas_jax.data.vocab.vocabulary import ByteVocabulary
 from midas_jax.errors import ConfigError
 from test_pipeline import UL2_FULL, examples_of, undo_span_corruption
 
@@ -29,7 +30,7 @@ SPLITS = ("train", "validation")
 @pytest.fixture(scope="module")
 def documents():
   """A few hundred built-in documents per split (some longer than a 64-token row)."""
-  return {s: tokenize_documents(sources.load_documents(DataConfig(), s), VOCAB)[:n]
+  return {s: tokenize_documents(text_files.load_documents(DataConfig(), s), VOCAB)[:n]
           for s, n in (("train", 700), ("validation", 120))}
 
 

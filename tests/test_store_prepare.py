@@ -17,11 +17,11 @@ from conftest import REPO_ROOT
 from midas_jax import cli, gin_config
 from midas_jax.checkpoint import available_steps, checkpoint_dir, load_model
 from midas_jax.configs import DataConfig
-from midas_jax.data import corpus, sources
 from midas_jax.data.pipeline import tokenize_documents
+from midas_jax.data.sources import corpus, text_files
 from midas_jax.data.store import prepare
 from midas_jax.data.store.pipeline import PreparedPipeline
-from midas_jax.data.vocab import ByteVocabulary
+from midas_jax.data.vocab.vocabulary import ByteVocabulary
 from midas_jax.errors import ConfigError
 from midas_jax.train.run import train
 from midas_jax.train.metrics import read_metrics
@@ -71,7 +71,7 @@ def in_memory(config):
   """What the in-memory text source reads from the same settings."""
   text = DataConfig(source="text", train_files=config.train_files, eval_files=config.eval_files,
                     jsonl_field=config.jsonl_field)
-  return {s: tokenize_documents(sources.load_documents(text, s), VOCAB) for s in SPLITS}
+  return {s: tokenize_documents(text_files.load_documents(text, s), VOCAB) for s in SPLITS}
 
 
 # --- Beam, end to end -----------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def test_a_tfds_data_set_is_read_in_even_slices_in_order(tiny_tfds, tmp_path):
 
 def test_a_seqio_task_is_read_with_its_own_tokenization(tmp_path):
   pytest.importorskip("seqio")
-  from midas_jax.data import seqio_tasks  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.sources import seqio_tasks  # pylint: disable=import-outside-toplevel
   files = text_corpus(tmp_path / "text", sizes=(40, 30, 30))
   seqio_tasks.register_text_task("midas_store_text", files, vocab=VOCAB)
   config = DataConfig(source="prepared", prepared_dir=str(tmp_path / "store"), prepared_from="seqio",

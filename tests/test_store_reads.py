@@ -17,13 +17,13 @@ from midas_jax import cli, flops, fs, hosts
 from midas_jax.bench import storage_latency, store_bench
 from midas_jax.commands.common import load_run_config
 from midas_jax.configs import DataConfig
-from midas_jax.data import sources
-from midas_jax.data.packing import FIELDS
 from midas_jax.data.pipeline import tokenize_documents
+from midas_jax.data.sources import text_files
 from midas_jax.data.store import format as store_format
 from midas_jax.data.store import writer
 from midas_jax.data.store.pipeline import PreparedPipeline
-from midas_jax.data.vocab import ByteVocabulary
+from midas_jax.data.ul2.packing import FIELDS
+from midas_jax.data.vocab.vocabulary import ByteVocabulary
 from midas_jax.errors import ConfigError
 from midas_jax.fs import ranges as fs_ranges
 
@@ -36,7 +36,7 @@ ROWS = 4
 @pytest.fixture(scope="module")
 def stores(gcs, tmp_path_factory):
   """(a store on gs://, the same store on the local disk): built-in documents in shards of 128."""
-  documents = {s: tokenize_documents(sources.load_documents(DataConfig(), s), VOCAB)[:n]
+  documents = {s: tokenize_documents(text_files.load_documents(DataConfig(), s), VOCAB)[:n]
                for s, n in (("train", 700), ("validation", 120))}
   local = str(tmp_path_factory.mktemp("store"))
   writer.write_store(local, documents, VOCAB, store_format.source_description(DataConfig()), documents_per_shard=128)

@@ -16,10 +16,10 @@ import pytest
 from midas_jax import configs, flops, gin_config
 from midas_jax.commands.study_commands import stacking_study_from_gin
 from midas_jax.data.factory import load_data
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.errors import ConfigError
 from midas_jax.stacking.schedule import cumulative_flops, schedule_from_config
-from midas_jax.studies import matched_loss, stacking_study, study_arms
+from midas_jax.studies import matched_loss, stacking_config, stacking_study, study_arms
 from midas_jax.train.build import build_stage
 
 
@@ -101,7 +101,7 @@ def test_the_ablation_arms_are_the_stacked_arm_with_one_growth_setting_changed(r
 
 
 def test_the_rate_sweep_trains_every_arm_at_every_rate_first_then_each_at_its_best():
-  study = stacking_study.StackingStudyConfig(seeds=(0, 1), arms=("baseline", "midas"), steps=(200, 800),
+  study = stacking_config.StackingStudyConfig(seeds=(0, 1), arms=("baseline", "midas"), steps=(200, 800),
                                              learning_rates=(1e-3, 3e-3, 1e-2))
   first = stacking_study.length_cells(study, 200, True, 3e-3, {})
   assert len(first) == 2 * 2 * 3 and len(set(first)) == len(first)
@@ -180,7 +180,7 @@ def test_a_final_depth_residual_init_gives_a_stage_one_model_the_final_depths_sc
 
 
 def test_the_corpus_holdout_leaves_depth_two_chains_and_math_out_of_both_splits():
-  from midas_jax.data import corpus  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.sources import corpus  # pylint: disable=import-outside-toplevel
   for split in ("train", "validation"):
     held = [d.text for d in corpus.documents(split, 0, "composition") if d.kind == "assignment"]
     full = [d.text for d in corpus.documents(split, 0) if d.kind == "assignment"]

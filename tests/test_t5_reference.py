@@ -21,7 +21,7 @@ import seqio  # noqa: E402  (installed whenever t5 imports)
 import tensorflow as tf  # noqa: E402
 from scipy import stats  # noqa: E402  (a t5 dependency)
 
-from midas_jax.data import objectives as obj  # noqa: E402
+from midas_jax.data.ul2 import objectives as obj  # noqa: E402
 
 NUM_DOCS = 500
 VOCAB = seqio.ByteVocabulary(extra_ids=100)  # 359 ids: bytes at 3..258, sentinels 358 down to 259

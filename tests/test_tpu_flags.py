@@ -19,7 +19,7 @@ from midas_jax.errors import ConfigError
     ("v5p-128", "v5p"), ("V5P-8", "v5p"), ("v5litepod-64", "v5e"), ("v5e-256", "v5e"), ("v4-64", "v4"),
     ("v6e-256", "v6e"), ("v3-8", None), ("gpu-8", None), ("v5", None), ("", None)])
 def test_accelerator_types_name_their_generation(accelerator, generation):
-  assert tpu_flags.generation(accelerator) == generation
+  assert tpu_flags.apply("none", accelerator=accelerator, environ={})["generation"] == generation
 
 
 def test_the_groups_that_apply_follow_the_generation_the_slices_and_the_remat_policy():

@@ -76,9 +76,10 @@ def test_unwritable_workdir_is_refused(tmp_path):
 
 
 def test_trains_on_local_text_files_with_a_sentencepiece_vocabulary(tmp_path):
-  from midas_jax.data import corpus, vocab  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.sources import corpus  # pylint: disable=import-outside-toplevel
+  from midas_jax.data.vocab import vocabulary  # pylint: disable=import-outside-toplevel
   paths = corpus.write_text_files(str(tmp_path / "data"))
-  spm = vocab.train_sentencepiece([paths["train"]], str(tmp_path / "spm"), vocab_size=600,
+  spm = vocabulary.train_sentencepiece([paths["train"]], str(tmp_path / "spm"), vocab_size=600,
                                  input_sentence_size=5000, shuffle_input_sentence=True)
   data = configs.DataConfig(source="text", train_files=(paths["train"],), eval_files=(paths["validation"],),
                             vocab="sentencepiece", spm_model=spm, seq_len=32, batch_size=8)

@@ -8,9 +8,9 @@ import sentencepiece
 from hypothesis import given, settings, strategies as st
 
 from midas_jax.configs import DataConfig
-from midas_jax.data import corpus
-from midas_jax.data.vocab import ByteVocabulary, SentencePieceVocabulary, train_sentencepiece
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.sources import corpus
+from midas_jax.data.vocab.factory import make_vocabulary
+from midas_jax.data.vocab.vocabulary import ByteVocabulary, SentencePieceVocabulary, train_sentencepiece
 from midas_jax.errors import ConfigError
 
 TEXTS = ["", "hello world", "héllo wörld — 日本語 🙂", "tab\tand\nnewline", "\x00\x7f\xff"]
@@ -134,7 +134,7 @@ def llama_layout_spm(tmp_path_factory):
 
 
 def test_sentencepiece_model_in_another_layout_keeps_its_ids(llama_layout_spm):
-  from midas_jax.data import objectives
+  from midas_jax.data.ul2 import objectives
   p = sentencepiece.SentencePieceProcessor(model_file=llama_layout_spm)
   v = SentencePieceVocabulary(llama_layout_spm, extra_ids=104)
   pieces = p.GetPieceSize()
@@ -169,8 +169,8 @@ def _bpe_tokenizer(tmp_path, specials, config=None) -> str:
 
 
 def test_tokenizers_vocabulary_takes_roles_from_its_config(tmp_path):
-  from midas_jax.data import objectives
-  from midas_jax.data.tokenizers_vocab import TokenizersVocabulary
+  from midas_jax.data.ul2 import objectives
+  from midas_jax.data.vocab.tokenizer_json import TokenizersVocabulary
   end = "<|endoftext|>"
   directory = _bpe_tokenizer(tmp_path, ["<pad>", end], {"eos_token": end, "bos_token": {"content": end},
                                                         "unk_token": None, "pad_token": None})
@@ -197,7 +197,7 @@ def test_tokenizers_vocabulary_takes_roles_from_its_config(tmp_path):
 
 
 def test_tokenizers_vocabulary_uses_its_own_sentinels_and_usual_names(tmp_path):
-  from midas_jax.data import objectives
+  from midas_jax.data.ul2 import objectives
   sentinels = [f"<extra_id_{k}>" for k in range(100)]
   directory = _bpe_tokenizer(tmp_path, ["</s>", "<pad>", "<unk>"] + sentinels + ["[NLU]"])
   v = make_vocabulary(DataConfig(vocab="tokenizers", tokenizer=f"{directory}/tokenizer.json", extra_ids=3))

@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import topologies
 from jax.sharding import AbstractMesh, NamedSharding
 
-from midas_jax import flops, sharding, tpu_flags
-from midas_jax.bench import cost_model, dot_dtypes, hlo_loops, memory_model
+from midas_jax import flops, hardware, sharding, tpu_flags
+from midas_jax.analysis import cost_model, dot_dtypes, hlo_loops, memory_model, targets
 from midas_jax.configs import RunConfig
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.errors import ConfigError, require
 from midas_jax.model import dummy_batch
 from midas_jax.stacking.checks import schedule_for
@@ -39,77 +37,9 @@ from midas_jax.stacking.schedule import StageSchedule
 from midas_jax.train.build import StageBuild, model_and_layout
 from midas_jax.train_state import StateLayout
 
-GIB = 1024 ** 3
-# Per-device memory (bytes) of the accelerators the mesh files in gin/meshes/ target.
-HBM_BYTES = {"v4": 32 * GIB, "v5e": 16 * GIB, "v5p": 95 * GIB, "gpu": 80 * 10 ** 9}
+GIB = hardware.GIB
 # Custom-call targets of Pallas kernels (Mosaic on TPU, Triton on GPU).
 KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
-TPU_GENERATIONS = {"v4": ("v4", "megacore", 2), "v5p": ("v5", "megacore", 2),
-                   "v5e": ("v5e", "default", 1), "v5litepod": ("v5e", "default", 1)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-  """What to compile for. platform: "local" (this machine's devices), "tpu" or "gpu"."""
-
-  name: str
-  platform: str
-  num_devices: int  # all slices together
-  hbm_bytes: Optional[int] = None
-  topology: Optional[str] = None  # jax's topology name of one slice, e.g. "v5:4x4x4"
-  chip_config: Optional[str] = None
-  num_slices: int = 1
-
-
-def _torus_shape(chips: int, dims: int) -> Tuple[int, ...]:
-  """The slice shape gcloud gives `chips` chips: as cubic (3-D) or square (2-D) as powers of 2 allow."""
-  require(chips >= 1 and chips & (chips - 1) == 0, "--topology", f"{chips} chips is not a power of 2",
-          "use a slice size gcloud offers, e.g. v4-64, v5litepod-64, v5p-128")
-  shape = [1] * dims
-  exponent = int(math.log2(chips))
-  for i in range(exponent):  # hand out factors of 2 round-robin, smallest first: 2x2x1, 2x2x2, 2x2x4, ...
-    shape[i % dims] *= 2
-  return tuple(sorted(shape, key=lambda n: (n == 1, n)))  # gcloud writes 2x2x1, not 1x2x2
-
-
-def parse_target(name: Optional[str]) -> Target:
-  """None: this machine's devices. `v4-64`, `v5litepod-64` (or `v5e-64`), `v5p-128`: a TPU slice
-  named as gcloud names it (v4 and v5p count TensorCores, two per chip; v5e counts chips);
-  `2xv5p-128`: two such slices joined by the data-center network (multi-slice).
-  `gpu-8`: N GPUs of 80 GB (analytic only)."""
-  if name is None:
-    return Target("local", "local", len(jax.devices()))
-  m = re.fullmatch(r"(?:(\d+)x)?(v4|v5p|v5e|v5litepod|gpu)-(\d+)", name.strip().lower())
-  if not m or (m.group(1) and m.group(2) == "gpu"):
-    raise ConfigError("--topology", f"unknown topology {name!r}",
-                      "use a TPU slice such as v4-64, v5litepod-64, v5p-128, several slices such as "
-                      "2xv5p-128, or gpu-N (e.g. gpu-8)")
-  slices, kind, count = int(m.group(1) or 1), m.group(2), int(m.group(3))
-  require(slices >= 1, "--topology", "needs at least one slice", "e.g. --topology=2xv5p-128")
-  if kind == "gpu":
-    require(count >= 1, "--topology", "needs at least one GPU", "e.g. --topology=gpu-8")
-    return Target(name, "gpu", count, HBM_BYTES["gpu"])
-  prefix, chip_config, cores_per_chip = TPU_GENERATIONS[kind]
-  require(count % cores_per_chip == 0, "--topology", f"{name}: {kind} slices come in multiples of "
-          f"{cores_per_chip}", f"e.g. --topology={kind}-{8 * cores_per_chip}")
-  chips = count // cores_per_chip
-  shape = _torus_shape(chips, 2 if prefix == "v5e" else 3)
-  generation = "v5e" if prefix == "v5e" else kind
-  return Target(name, "tpu", chips * slices, HBM_BYTES[generation], f"{prefix}:{'x'.join(map(str, shape))}",
-                chip_config, slices)
-
-
-def tpu_devices(target: Target) -> Tuple[Optional[List[Any]], str]:
-  """The slice's devices as jax describes them without the hardware, or (None, why not)."""
-  dims = [int(x) for x in target.topology.split(":")[1].split("x")]
-  per_host = tuple(min(d, 2) for d in dims) + (1,) * (3 - len(dims))  # 4-chip hosts
-  try:
-    desc = topologies.get_topology_desc(platform="tpu", topology_name=target.topology,
-                                        chip_config_name=target.chip_config, chips_per_host_bounds=per_host,
-                                        num_slices=target.num_slices)
-  except Exception as e:  # pylint: disable=broad-except
-    return None, f"jax cannot describe a TPU slice on this machine ({str(e).splitlines()[0]})"
-  return list(desc.devices), ""
 
 
 def vocab_size_of(config: RunConfig) -> int:
@@ -126,7 +56,7 @@ def _parts(config: RunConfig, mesh, num_layers: Optional[int] = None, platform: 
   return (model_config,) + model_and_layout(config, mesh, model_config, platform)
 
 
-def _platform(target: Target) -> str:
+def _platform(target: targets.Target) -> str:
   return jax.default_backend() if target.platform == "local" else target.platform
 
 
@@ -203,11 +133,11 @@ def _growth_peak(config: RunConfig, schedule: StageSchedule, mesh, final_state: 
 def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
         hbm_gib: Optional[float] = None, predict: bool = True) -> Dict[str, Any]:
   """The per-device memory report. method: "auto" (compile where possible), "compile" or "analytic";
-  predict: for a TPU target, also the cost model's step time (two more compiles, bench/cost_model.py)."""
+  predict: for a TPU target, also the cost model's step time (two more compiles, analysis/cost_model.py)."""
   require(method in ("auto", "compile", "analytic"), "--method", f"unknown method {method!r}",
           "use auto, compile or analytic")
   schedule = schedule_for(config)  # a stacked config's growth, checked before anything compiles
-  target = parse_target(topology)
+  target = targets.parse_target(topology)
   require(target.num_slices == config.mesh.num_slices, "MeshConfig.dcn_data",
           f"{target.name} has {target.num_slices} slice(s) but the mesh spans dcn_data x dcn_fsdp = "
           f"{config.mesh.num_slices}", "use a mesh file for that many slices (e.g. gin/meshes/tpu_2x_v5p_128.gin)")
@@ -252,7 +182,7 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
       # Compiled as the run would be: with its libtpu flags (read when libtpu starts, here).
       report["tpu_flags"] = tpu_flags.apply(config.mesh.tpu_flags, target.num_slices, model_config.remat_policy,
                                             accelerator=target.name.split("x", 1)[-1])["added"]
-      devices, why = tpu_devices(target)
+      devices, why = targets.tpu_devices(target)
     else:
       why = "jax cannot compile for GPUs without them"
     if devices is None and method == "compile":
@@ -285,7 +215,7 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
 
 
 def _predicted(config: RunConfig, devices, schedule: StageSchedule, model_config, chips: int) -> Dict[str, Any]:
-  """The TPU compiler's predicted step at every stage depth, and the whole run's seconds (bench/cost_model.py)."""
+  """The TPU compiler's predicted step at every stage depth, and the whole run's seconds (analysis/cost_model.py)."""
   prices = cost_model.priced_depths(
       config, lambda c: cost_model.price(compiled_train_step(c, devices, unroll_microbatches=c.trainer.microbatches > 1,
                                                              compiler_options=cost_model.PRICING_OPTIONS),
@@ -303,7 +233,7 @@ def _predicted_lines(predicted: Optional[Dict[str, Any]]) -> List[str]:
   if "unpriced" in predicted:
     return [f"predicted       none: {predicted['unpriced']}"]
   lines = ["predicted       the TPU compiler's cost model (a roofline lower bound on the step, not a measured "
-           "time; bench/cost_model.py):"]
+           "time; analysis/cost_model.py):"]
   for stage in predicted["stages"]:
     s = predicted["steps"][str(stage["depth"])]
     mfu = "-" if s["mfu_bound"] is None else f"{s['mfu_bound']:.1%}"
@@ -313,7 +243,7 @@ def _predicted_lines(predicted: Optional[Dict[str, Any]]) -> List[str]:
   deepest = predicted["steps"][str(max(st["depth"] for st in predicted["stages"]))]
   if deepest.get("dcn_bytes_per_chip"):
     lines.append(f"  across slices {deepest['dcn_bytes_per_chip'] / 2 ** 20:,.1f} MiB a chip a step over the data-center "
-                 f"network: {deepest['dcn_seconds'] * 1e3:,.1f} ms at its bandwidth (bench/dcn_cost.py), "
+                 f"network: {deepest['dcn_seconds'] * 1e3:,.1f} ms at its bandwidth (analysis/dcn_cost.py), "
                  f"{deepest['seconds_without_overlap'] * 1e3:,.1f} ms a step if it does not overlap the compute")
   if predicted.get("dcn_unpriced"):
     lines.append(f"  caution       {predicted['dcn_unpriced']}")

@@ -36,7 +36,7 @@ from midas_jax.bench.t5_reference import T5_DENOISER, import_t5_reference, measu
 from midas_jax.configs import ObjectivesConfig, RunConfig
 from midas_jax.data.factory import load_data
 from midas_jax.data.pipeline import Pipeline
-from midas_jax.data.vocab import Vocabulary
+from midas_jax.data.vocab.vocabulary import Vocabulary
 from midas_jax.errors import require
 from midas_jax.train.build import build_stage
 

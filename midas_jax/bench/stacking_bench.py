@@ -14,7 +14,7 @@ from typing import Dict
 
 from midas_jax import compare
 from midas_jax.configs import RunConfig, StackingConfig
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.stacking.schedule import flop_speedup, layer_only_speedup_of, schedule_from_config
 
 BENCH_STACKING = StackingConfig(num_stages=4, operator="midas", alpha=1.0)

@@ -17,27 +17,22 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import re
 import resource
 import tempfile
 from typing import Dict, Optional
 
-from midas_jax import flops, fs
+from midas_jax import flops, fs, hardware
 from midas_jax.bench import storage_latency
 from midas_jax.bench.pipeline_timing import TARGET_VS_TRAINING, measure_ours, measure_training, one_core
 from midas_jax.configs import DataConfig, RunConfig
 from midas_jax.data.store import synthetic
 from midas_jax.data.store.pipeline import PreparedPipeline
-from midas_jax.data.vocabularies import make_vocabulary
-from midas_jax.device_peak import known_peak_flops
+from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.errors import ConfigError, require
 from midas_jax.stacking.checks import schedule_for
 from midas_jax.train.build import build_stage
 
 TARGET_VS_HOST_CONSUMPTION = 2.0  # ours, against one pod host's consumption at the shallowest stage
-# TPU slices as gcloud names them: generation -> (TensorCores per chip counted in the name, chips
-# per host). The chips' dense bf16 peaks are device_peak.py's.
-_SLICES = {"v4": (2, 4), "v5p": (2, 4), "v5e": (1, 4), "v5litepod": (1, 4)}
 
 
 def rss_bytes() -> int:
@@ -54,13 +49,12 @@ def host_consumption(config: RunConfig, topology: str, mfu: float) -> Dict[str, 
   """The tokens per second one host of `topology` consumes training `config` at `mfu`, at the shallowest
   stage of its schedule (the fastest steps): step time = train FLOPs per step at that depth / (chips *
   chip peak * mfu), shared by hosts = chips / per host."""
-  m = re.fullmatch(r"(v4|v5p|v5e|v5litepod)-(\d+)", topology.strip().lower())
-  require(m is not None, "--consumption", f"unknown TPU slice {topology!r}", "use e.g. v4-64, v5p-128, v5litepod-64")
-  generation, count = m.group(1), int(m.group(2))
-  cores_per_chip, chips_per_host = _SLICES[generation]
-  chips = count // cores_per_chip
-  hosts = max(1, chips // chips_per_host)
-  peak = known_peak_flops("v5e" if generation == "v5litepod" else generation)
+  parsed = hardware.parse_slice(topology.strip().lower())
+  one_slice = parsed is not None and parsed.name == parsed.accelerator  # written without `Nx`
+  require(one_slice, "--consumption", f"unknown TPU slice {topology!r}", "use e.g. v4-64, v5p-128, v5litepod-64")
+  chips = parsed.chips
+  hosts = max(1, chips // hardware.HOST_CHIPS)  # as many hosts as 4-chip hosts fit (a v5e-8 counts 2)
+  peak = hardware.known_peak_flops(parsed.tpu.name)
   model = config.model.with_vocab(make_vocabulary(config.data).vocab_size)
   depths = schedule_for(config).depths
   depth = min(depths)

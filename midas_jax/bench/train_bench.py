@@ -19,9 +19,9 @@ from typing import Dict
 
 import jax
 
-from midas_jax import flops
+from midas_jax import flops, hardware
 from midas_jax.configs import RunConfig
-from midas_jax.device_peak import known_peak_flops, matmul_peak_sampler
+from midas_jax.device_peak import matmul_peak_sampler
 from midas_jax.train.build import build_stage
 
 PEAK_REPEATS = 3  # timed matmuls per peak sample (2048^3 each)
@@ -75,7 +75,7 @@ def run(config: RunConfig, steps: int = 10, warmup: int = 2, peak_size: int = 20
   peaks = {name: statistics.median(v) for name, v in samples.items()}
   compute_key = "float32" if mcfg.dtype == "float32" else "bfloat16_f32_accum"
   denominator = compute_key
-  known = known_peak_flops(jax.devices()[0])
+  known = hardware.known_peak_flops(jax.devices()[0])
   if known is not None:
     peaks["vendor_bf16"], denominator = known, "vendor_bf16"
   override = config.trainer.peak_flops_per_device

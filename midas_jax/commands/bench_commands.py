@@ -16,8 +16,9 @@ import argparse
 import jax
 
 from midas_jax import distributed, fs
-from midas_jax.bench import (checkpoint_bench, compile_bench, compile_table, data_bench, preemption_bench,
-                             stacking_bench, train_bench)
+from midas_jax.analysis import compile_table
+from midas_jax.bench import (checkpoint_bench, compile_bench, data_bench, preemption_bench, stacking_bench,
+                             train_bench)
 from midas_jax.commands.common import CommandGroup, add_gin_flags, bench_group, load_run_config
 
 
@@ -25,7 +26,7 @@ def _json_flag(parser) -> None:
   parser.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
-def register(root: CommandGroup) -> None:
+def add_commands(root: CommandGroup) -> None:
   bench = bench_group(root)
   p = bench.command("train", _train, help="steady-state tokens/s and MFU against the matmul peak")
   add_gin_flags(p)

@@ -1,6 +1,6 @@
-"""What every `midas` command shares: how it registers, its gin flags, and loading its configs.
+"""What every `midas` command shares: how it is added, its gin flags, and loading its configs.
 
-Each commands module has `register(root: CommandGroup)`, which adds its parsers with a handler each;
+Each commands module has `add_commands(root: CommandGroup)`, which adds its parsers with a handler each;
 cli.py builds the parser from those modules and calls the chosen handler as handler(args, bindings),
 `bindings` being the `--gin.KEY=VALUE` flags. A handler returns the exit status.
 """
@@ -46,7 +46,7 @@ class CommandGroup:
 
 
 def bench_group(root: CommandGroup) -> CommandGroup:
-  """`midas bench NAME`: every benchmark registers here, whichever module defines it."""
+  """`midas bench NAME`: every benchmark is added here, whichever module defines it."""
   return root.group("bench", help="benchmarks: throughput, MFU, the data pipeline, compile fit, ...")
 
 

@@ -47,7 +47,7 @@ def _import(args, bindings: List[str]) -> int:
   return 0
 
 
-def register(root: CommandGroup) -> None:
+def add_commands(root: CommandGroup) -> None:
   p = root.command("export", _export, help="write a model as a transformers directory, torch state dict, npz or "
                    "params-only export")
   p.add_argument("--workdir", required=True, help="a run's workdir (latest good checkpoint) or a params-only "

@@ -18,15 +18,16 @@ import jax
 
 from midas_jax import distributed, fs
 from midas_jax.commands.common import CommandGroup, add_gin_flags, load_run_config
-from midas_jax.data import corpus, vocab
 from midas_jax.data.factory import load_data
 from midas_jax.data.samples import sample_records
+from midas_jax.data.sources import corpus
 from midas_jax.data.store import prepare
+from midas_jax.data.vocab import vocabulary
 from midas_jax.errors import ConfigError
 from midas_jax.stacking.checks import schedule_for
 
 
-def register(root: CommandGroup) -> None:
+def add_commands(root: CommandGroup) -> None:
   data = root.group("data", help="data utilities: prepare a token store, sample, corpus, SentencePiece")
   p = data.command("prepare", _prepare, help="tokenize the run's source into a sharded token store (Apache Beam)",
                    epilog="Flags after `--` go to Beam, e.g. -- --project=P --region=R --temp_location=gs://B/tmp "
@@ -102,5 +103,5 @@ def _train_spm(args, bindings: List[str]) -> int:
   files = sorted({f for pattern in args.files for f in fs.glob(fs.check(pattern, "--files"))})
   if not files:
     raise ConfigError("--files", f"no file matches {args.files}", "pass a glob that matches text files")
-  print(vocab.train_sentencepiece(files, args.out, vocab_size=args.vocab_size))
+  print(vocabulary.train_sentencepiece(files, args.out, vocab_size=args.vocab_size))
   return 0

@@ -31,7 +31,7 @@ def _int_list(text: str) -> Tuple[int, ...]:
   return values
 
 
-def register(root: CommandGroup) -> None:
+def add_commands(root: CommandGroup) -> None:
   ev = root.command("eval", _eval, help="evaluate a checkpoint: JSON results and PNG figures under DIR/eval/")
   ev.add_argument("--workdir", required=True, help="a run's workdir (latest checkpoint) or a params-only export")
   ev.add_argument("--suite", required=True,
@@ -86,7 +86,7 @@ def options_from_args(args) -> dict:
 def _eval(args, bindings) -> int:
   refuse_bindings(bindings, "midas eval reads the run's saved config and",
                   "drop the --gin. flags; the eval flags are listed by `midas eval --help`")
-  if "lm_eval" in [s.strip() for s in args.suite.split(",")]:
+  if any(suites.runs_alone(s.strip()) for s in args.suite.split(",")):
     return _eval_harness(args)
   if args.include_path:
     raise ConfigError("--include_path", "only --suite=lm_eval reads task files", "drop --include_path")

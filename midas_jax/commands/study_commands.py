@@ -24,13 +24,11 @@ from midas_jax.configs import RunConfig
 from midas_jax.errors import ConfigError
 from midas_jax.studies import anchor_study, stacking_study, stacking_study_page
 from midas_jax.studies.anchor_config import AnchorStudyConfig
-from midas_jax.studies.stacking_study import StackingStudyConfig
+from midas_jax.studies.stacking_config import StackingStudyConfig
 from midas_jax.train.workdir import prepare_workdir
 
-gin_config.register(AnchorStudyConfig, StackingStudyConfig)
 
-
-def register(root: CommandGroup) -> None:
+def add_commands(root: CommandGroup) -> None:
   study = root.group("study", help="studies: the anchor-function phase diagram, the multi-seed stacking study")
   anchor = study.command("anchor", _anchor, help="train the gamma x depth (x arm) grid of the anchor-function task")
   add_gin_flags(anchor, "gin file binding AnchorStudyConfig")

@@ -16,7 +16,7 @@ from midas_jax.errors import ConfigError
 from midas_jax.train.run import train
 
 
-def register(root: CommandGroup) -> None:
+def add_commands(root: CommandGroup) -> None:
   p = root.command("train", _train, help="train (or resume) a model")
   add_gin_flags(p)
   p.add_argument("--workdir", required=True,

@@ -10,8 +10,8 @@ This package imports nothing of midas_jax but errors.py, so every other module m
 
 from midas_jax.configs.data import ORIGINS, SOURCES, VOCABS, DataConfig, ObjectivesConfig
 from midas_jax.configs.mesh import DEFAULT_RULES, TPU_FLAGS, MeshConfig
-from midas_jax.configs.model import (ATTENTION, DTYPES, FAMILIES, INIT_SCHEMES, MATMUL_OPERANDS, REMAT_POLICIES,
-                                     ModelConfig)
+from midas_jax.configs.model import (ATTENTION_IMPLEMENTATIONS, DTYPES, FAMILIES, INIT_SCHEMES, MATMUL_OPERANDS,
+                                     REMAT_POLICIES, ModelConfig)
 from midas_jax.configs.optimizer import DECAYS, OPTIMIZERS, OptimizerConfig
 from midas_jax.configs.run import RunConfig
 from midas_jax.configs.stacking import GROWTH_MOMENTS, LR_SCHEDULES, StackingConfig

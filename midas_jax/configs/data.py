@@ -26,7 +26,7 @@ class ObjectivesConfig:
   R-denoiser (3.0, 0.15); gin/objectives/ul2_full.gin sets UL2's R and X set. mode_tokens prepends
   [NLU] (R), [NLG] (X) or [S2S] (prefix LM) to the inputs, as UL2 does. Span corruption marks its
   spans with up to num_sentinels sentinels. Sentinels and mode tokens are the top extra ids of the
-  vocabulary (see data/objectives.py).
+  vocabulary (see data/ul2/objectives.py).
   """
 
   causal_rate: float = 0.6
@@ -116,14 +116,14 @@ class DataConfig:
   costs a round trip, so several run at once).
   min_chunk: a row is filled example by example until fewer than min_chunk of its slots remain.
 
-  corpus_holdout: what the built-in corpus leaves out (data/corpus.py): "none", or "composition": no
+  corpus_holdout: what the built-in corpus leaves out (data/sources/corpus.py): "none", or "composition": no
     depth-2 variable chains and no pre-school-math lines, in either split, so the primitives
     assignment_depth2 and psm measure composing what was trained (one hop; literals and `print`).
 
   vocab: "byte", "sentencepiece" (spm_model: a .model file of any special-id layout) or "tokenizers"
   (tokenizer: a tokenizer.json, or a directory holding one with its tokenizer_config.json). A
   tokenizer's own ids are kept; extra_ids ids are appended above them for the special tokens it
-  lacks (data/vocab.py). tokenizer may also name the transformers tokenizer files of a SentencePiece
+  lacks (data/vocab/vocabulary.py). tokenizer may also name the transformers tokenizer files of a SentencePiece
   model (what `midas import` copies), which `midas export` then writes back.
   """
 

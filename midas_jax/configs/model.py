@@ -12,7 +12,7 @@ FAMILIES = ("llama", "gpt2")
 INIT_SCHEMES = ("gpt2", "gamma")
 REMAT_POLICIES = ("none", "full", "minimal", "save_dots", "offload")
 DTYPES = ("float32", "bfloat16")
-ATTENTION = ("auto", "dot_product", "flash", "cudnn")
+ATTENTION_IMPLEMENTATIONS = ("auto", "dot_product", "flash", "cudnn")
 MATMUL_OPERANDS = ("auto", "compute", "float32")
 RESIDUAL_INIT_DEPTHS = ("stage", "final")
 
@@ -41,7 +41,7 @@ class ModelConfig:
   qkv_bias: llama family only: biases on the query, key and value projections (Qwen2's layout).
   unroll_layers: unroll the loop over layers in the compiled program (the parameters stay stacked): a longer
     compile, the same values. XLA's cost model prices a loop's body once, so `midas bench compile` prices
-    the step from unrolled programs (bench/cost_model.py).
+    the step from unrolled programs (analysis/cost_model.py).
   residual_init_depth: the L of init "gpt2"'s residual scale 1/sqrt(2L): "stage" (the depth of the model being
     initialized, a stacked run's first stage included) or "final" (the depth a stacked run grows to, which
     train/build.py's build_stage writes into residual_init_layers for every stage; for an unstacked model the
@@ -89,8 +89,9 @@ class ModelConfig:
 
   def __post_init__(self):
     s = "ModelConfig."
-    require(self.attention in ATTENTION, s + "attention", f"unknown attention implementation {self.attention!r}",
-            f"use one of {ATTENTION}")
+    require(self.attention in ATTENTION_IMPLEMENTATIONS, s + "attention",
+            f"unknown attention implementation {self.attention!r}",
+            f"use one of {ATTENTION_IMPLEMENTATIONS}")
     require(self.matmul_operands in MATMUL_OPERANDS, s + "matmul_operands",
             f"unknown choice {self.matmul_operands!r}", f"use one of {MATMUL_OPERANDS}")
     for name in ("flash_block_q", "flash_block_kv"):

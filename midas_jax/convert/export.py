@@ -12,7 +12,7 @@ from midas_jax.checkpoint import load_model
 from midas_jax.checkpoint import metadata as metadata_lib
 from midas_jax.configs import ModelConfig, RunConfig
 from midas_jax.convert import hf_config, shards, writers
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.errors import require
 from midas_jax.model import layer_order
 

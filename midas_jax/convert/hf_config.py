@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any, Optional
 
 from midas_jax.configs import ModelConfig
-from midas_jax.data.vocab import EOS_ID, PAD_ID
+from midas_jax.data.vocab.vocabulary import EOS_ID, PAD_ID
 from midas_jax.errors import ConfigError, require
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}

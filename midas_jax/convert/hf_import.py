@@ -6,7 +6,7 @@ init_from). A directory that `midas export --format=hf` wrote round-trips exactl
 restores the run's config, step, stage and lineage.
 
 A model trained elsewhere brings its tokenizer: its files are copied into OUT/tokenizer/ and the
-run's vocabulary is that tokenizer with its own ids (data/vocab.py). The special tokens it lacks
+run's vocabulary is that tokenizer with its own ids (data/vocab/vocabulary.py). The special tokens it lacks
 (pad, sentinels, UL2 mode tokens) take ids above its vocabulary; when the model's embedding has no
 rows for them, it gets new rows, each the mean of the trained ones (a neutral start that leaves every
 logit of the original ids unchanged), up to a multiple of ModelConfig.vocab_multiple.
@@ -26,8 +26,8 @@ from midas_jax.convert import hf_config, mapping
 from midas_jax.convert import tokenizer as tokenizer_lib
 from midas_jax.convert import writers
 from midas_jax.convert.export import prepare_out_dir
-from midas_jax.data import vocab as vocab_lib
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.vocab import vocabulary as vocab_lib
+from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.errors import ConfigError, require
 
 GIN_FILE = "imported.gin"

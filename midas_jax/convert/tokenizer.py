@@ -2,7 +2,7 @@
 
 - A tokenizer trained elsewhere (DataConfig.tokenizer: the transformers files `midas import`
   copied, or any tokenizer.json) is written back as it was, with the ids appended for the special
-  tokens it lacked (data/vocab.py) added under their names, so `AutoTokenizer.from_pretrained(export)`
+  tokens it lacked (data/vocab/vocabulary.py) added under their names, so `AutoTokenizer.from_pretrained(export)`
   encodes every text exactly as the original tokenizer does, its own special tokens and BOS
   included, and decodes the appended ids by name. The original files are also kept, untouched, in
   ORIGINALS_DIR, from which `midas import` of the export restores the run's vocabulary.
@@ -25,9 +25,9 @@ from tokenizers.models import BPE
 
 from midas_jax import fs
 from midas_jax.configs import DataConfig
-from midas_jax.data import vocab as vocab_lib
-from midas_jax.data.tokenizers_vocab import CONFIG_FILES, TOKENIZER_FILE, tokenizer_paths
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.vocab import vocabulary as vocab_lib
+from midas_jax.data.vocab.factory import make_vocabulary
+from midas_jax.data.vocab.tokenizer_json import CONFIG_FILES, TOKENIZER_FILE, tokenizer_paths
 from midas_jax.errors import ConfigError, require
 
 ORIGINALS_DIR = "midas_jax_tokenizer"

@@ -18,8 +18,8 @@ from midas_jax import fs
 from midas_jax.configs import ModelConfig, ObjectivesConfig, RunConfig
 from midas_jax.convert import hf_config, mapping, shards
 from midas_jax.convert import tokenizer as tokenizer_lib
-from midas_jax.data import objectives
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.ul2 import objectives
+from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.errors import ConfigError
 
 FORMATS = ("hf", "torch", "npz")

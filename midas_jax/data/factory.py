@@ -1,7 +1,7 @@
 """The vocabulary and the step-addressed pipeline a run's config asks for.
 
 A prepared store is read by index (data/store/); every other source is loaded into memory as token
-documents. seqio Tasks are read once into a token cache (data/seqio_source.py). A mixture builds one
+documents. seqio Tasks are read once into a token cache (data/sources/seqio_reader.py). A mixture builds one
 pipeline per source and draws each row from one of them (data/mixture.py).
 """
 
@@ -13,16 +13,16 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from midas_jax.configs import RunConfig
-from midas_jax.data import seqio_source
 from midas_jax.data.mixture import MixturePipeline, source_config
 from midas_jax.data.pipeline import Pipeline, tokenize_documents
-from midas_jax.data.sources import load_documents
+from midas_jax.data.sources import seqio_reader
+from midas_jax.data.sources.splits import SPLITS
+from midas_jax.data.sources.text_files import load_documents
 from midas_jax.data.store.pipeline import PreparedPipeline
-from midas_jax.data.vocab import Vocabulary
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.vocab.factory import make_vocabulary
+from midas_jax.data.vocab.vocabulary import Vocabulary
 from midas_jax.errors import require
 
-SPLITS = ("train", "validation")
 AnyPipeline = Union[Pipeline, PreparedPipeline, MixturePipeline]
 
 
@@ -31,7 +31,7 @@ def load_token_documents(config: RunConfig, vocab: Vocabulary,
   """Every split's documents as token arrays. cache_dir: the seqio source's token cache (None:
   ~/.cache/midas_jax/seqio); other sources ignore it."""
   if config.data.source == "seqio":
-    return {split: seqio_source.load_token_documents_from_task(config.data, split, cache_dir, vocab)
+    return {split: seqio_reader.load_token_documents_from_task(config.data, split, cache_dir, vocab)
             for split in SPLITS}
   return {split: tokenize_documents(load_documents(config.data, split), vocab) for split in SPLITS}
 

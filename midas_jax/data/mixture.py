@@ -53,10 +53,10 @@ import numpy as np
 
 from midas_jax.configs import DataConfig
 from midas_jax.configs.data import MixtureSource
-from midas_jax.data import streams
-from midas_jax.data.packing import FIELDS, empty_rows
 from midas_jax.data.pipeline import Pipeline
 from midas_jax.data.store.pipeline import PreparedPipeline
+from midas_jax.data.ul2 import streams
+from midas_jax.data.ul2.packing import FIELDS, empty_rows
 from midas_jax.errors import require
 
 MAX_CYCLE_ROWS = 1 << 16

@@ -1,7 +1,7 @@
 """Step-addressed UL2 batches: the global batch at step s is a pure function of (data config, seed, s).
 
 Row r of step s is built from its own random draws, addressed by (seed, split, s * batch_size + r)
-(streams.py), so any process can build exactly its own rows, resuming needs no iterator state, and
+(ul2/streams.py), so any process can build exactly its own rows, resuming needs no iterator state, and
 changing the number of processes changes nothing (docs/architecture.md#data-addressed-by-step).
 
 A row is filled example by example until fewer than `min_chunk` slots remain. Each example picks
@@ -14,25 +14,23 @@ Documents of a single token cannot be split: prefix LM and span corruption use t
 For speed (one core must feed training many times over) rows are built many at once, a few steps
 when batches are small: the fill loop runs over example slots with every row in step, the rest is
 vectorized over all their examples (objectives.span_layout corrupts them in one call), and tokens
-move once, from one flat pool per split. The draws are counter-based (streams.py), so no random
+move once, from one flat pool per split. The draws are counter-based (ul2/streams.py), so no random
 generator is seeded per row.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
 from midas_jax.configs import DataConfig, ObjectivesConfig
-from midas_jax.data import objectives, streams
-from midas_jax.data.packing import pack_rows
+from midas_jax.data.sources.splits import SPLITS
+from midas_jax.data.ul2 import objectives, streams
+from midas_jax.data.ul2.packing import pack_rows
+from midas_jax.data.ul2.rows import PREFIX_ID, SPAN_ID, example_tables, objective_mix, place_examples
 from midas_jax.errors import require
-
-SPLITS = {"train": 0, "validation": 1}
-CAUSAL = objectives.Denoiser("causal", "causal")
 
 
 def tokenize_documents(texts: Sequence[str], vocab) -> List[np.ndarray]:
@@ -40,111 +38,13 @@ def tokenize_documents(texts: Sequence[str], vocab) -> List[np.ndarray]:
   return [np.asarray(vocab.encode(t) + [vocab.eos_id], np.int32) for t in texts]
 
 
-@dataclasses.dataclass(frozen=True)
-class MixtureEntry:
-  denoiser: objectives.Denoiser
-  probability: float
-
-
-def span_mode(mean_span: float, density: float) -> str:
-  """UL2's rule: extreme (X, [NLG]) when spans are long (>= 12) or dense (>= 30%), else R ([NLU])."""
-  return "[NLG]" if mean_span >= 12 or density >= 0.3 else "[NLU]"
-
-
-def mixture(config: ObjectivesConfig) -> List[MixtureEntry]:
-  """The objectives of the UL2 mixture with their per-example probabilities."""
-  entries = []
-  if config.causal_rate > 0:
-    entries.append(MixtureEntry(CAUSAL, config.causal_rate))
-  if config.prefix_rate > 0:
-    entries.append(MixtureEntry(objectives.Denoiser("prefix", "prefix", mode="[S2S]"), config.prefix_rate))
-  for mean, density in config.span_denoisers if config.span_rate > 0 else ():
-    d = objectives.Denoiser(f"span_mu{mean:g}_r{density:g}", "span", float(mean), float(density),
-                            span_mode(mean, density))
-    entries.append(MixtureEntry(d, config.span_rate / len(config.span_denoisers)))
-  return entries
-
-
-# Counters of a row's stream (streams.py): example slot t draws at 4t + (objective, document,
+# Counters of a row's stream (ul2/streams.py): example slot t draws at 4t + (objective, document,
 # window start, prefix split); the span key of the token at row slot i is 4 * seq_len + i.
 _DRAWS_PER_SLOT = 4
 _SLOTS_PER_DRAW = 4  # example slots drawn at a time: rows of ~256 tokens rarely hold more
 _BLOCK_SLOTS, _BLOCK_STEPS = 1 << 15, 8  # Pipeline.batch builds up to 8 steps to fill 32768 slots
 _SLOT_COUNTERS = (_DRAWS_PER_SLOT * np.arange(_SLOTS_PER_DRAW)[:, None, None]
                   + np.arange(_DRAWS_PER_SLOT)[:, None])  # (slots, draws, 1)
-CAUSAL_ID, PREFIX_ID, SPAN_ID = (objectives.OBJECTIVE_IDS[k] for k in ("causal", "prefix", "span"))
-
-
-def example_tables(seq_len: int, config: ObjectivesConfig, entries: Sequence[MixtureEntry],
-                   special: objectives.SpecialTokens) -> Dict[str, np.ndarray]:
-  """What the fill loop and the layout look up instead of computing per example, for each mixture
-  entry e and length i in [0, seq_len], each (entries, seq_len + 1):
-    budget     the longest raw window whose example fits in i slots (0 when under 2 tokens fit,
-               which ends the row)
-    for a raw length i (under 2 tokens: causal LM, no mode token):
-    kind       the objective id
-    mode_id    the mode token leading the example, 0 for none
-    length     the example's length: the raw tokens, 2 sentinels per span, the mode token
-    prefix     its prefix length when no draw decides it (causal 0, span [mode] + inputs)
-    num_noise, num_spans   of span corruption
-  """
-  s = seq_len
-  raw = np.arange(s + 1)
-  t = {k: np.zeros((len(entries), s + 1), np.int64)
-       for k in ("budget", "kind", "mode_id", "length", "prefix", "num_noise", "num_spans")}
-  for i, entry in enumerate(entries):
-    d = entry.denoiser
-    mode = int(config.mode_tokens and d.kind != "causal" and d.mode is not None)
-    t["kind"][i], t["mode_id"][i] = objectives.OBJECTIVE_IDS[d.kind], mode and special.mode_ids[d.mode]
-    if d.kind == "span":
-      t["num_noise"][i], t["num_spans"][i] = objectives.span_count_table(
-          s, d.noise_density, d.mean_noise_span_length)
-      t["prefix"][i] = mode + raw - t["num_noise"][i] + t["num_spans"][i]
-    t["length"][i] = raw + 2 * t["num_spans"][i] + mode
-    fits = span_budget_table(seq_len, config.num_sentinels, d) if d.kind == "span" else raw
-    t["budget"][i, mode:] = fits[:s + 1 - mode]
-  t["budget"][t["budget"] < 2] = 0
-  t["kind"][:, :2] = t["mode_id"][:, :2] = t["prefix"][:, :2] = 0  # under 2 raw tokens: causal LM
-  t["length"][:, :2] = raw[:2]
-  return t
-
-
-def span_budget_table(seq_len: int, num_sentinels: int, denoiser: objectives.Denoiser) -> np.ndarray:
-  """table[b] = the longest raw length whose corrupted length is <= b, for b in [0, seq_len].
-
-  Span corruption also needs a sentinel per span: windows are capped so that they never need more
-  than num_sentinels (long rows with dense noise then hold several shorter examples).
-  """
-  d, mu = denoiser.noise_density, denoiser.mean_noise_span_length
-  raw = np.arange(seq_len + 1)
-  spans = objectives.span_count_table(seq_len, d, mu)[1]
-  usable = raw[spans <= num_sentinels]  # span counts only grow with length
-  corrupted = usable + 2 * spans[usable]
-  return usable[np.searchsorted(corrupted, raw, side="right") - 1]
-
-
-def place_examples(size: int, tokens: np.ndarray, first, body, n, kind, mode_id, num_noise, num_spans,
-                   span_keys, sentinel_ids: np.ndarray) -> np.ndarray:
-  """A flat targets array of `size` slots holding examples, one entry per example in each of the
-  arguments: its raw tokens are tokens[first:first + n]; its body (after the mode token mode_id, if
-  any) starts at slot `body`; span examples (kind SPAN_ID) are corrupted with their num_noise /
-  num_spans counts and span_keys (one row of uint64 keys per span example, in order). Everything
-  moves as blocks: the windows of causal and prefix examples, the spans of span examples."""
-  targets = np.zeros(size, np.int32)
-  mode = mode_id > 0
-  targets[body[mode] - 1] = mode_id[mode]
-  span = kind == SPAN_ID
-  plain = ~span & (n > 0)
-  blocks = [(first[plain], body[plain], n[plain])]
-  if span.any():
-    *spans, sentinel_dest, rank = objectives.span_layout(
-        n[span], num_noise[span], num_spans[span], span_keys, in_offsets=first[span], out_offsets=body[span])
-    targets[sentinel_dest] = sentinel_ids[rank]
-    blocks.append(spans)
-  block_src, block_dest, count = (np.concatenate(b) for b in zip(*blocks))
-  src = objectives.ranges(block_src, count)
-  targets[src + (block_dest - block_src).repeat(count)] = tokens[src]
-  return targets
 
 
 class Pipeline:
@@ -152,9 +52,9 @@ class Pipeline:
 
   def __init__(self, config: DataConfig, documents: Dict[str, List[np.ndarray]], vocab_size: int, vocab=None,
                mix: ObjectivesConfig = ObjectivesConfig()):
-    """vocab: the vocabulary (data/vocab.py), whose own special tokens are then used and recorded;
+    """vocab: the vocabulary (data/vocab/), whose own special tokens are then used and recorded;
     without it the sentinels and mode tokens are the top extra ids of vocab_size. mix: the UL2
-    mixture the examples are drawn from."""
+    objective mix the examples are drawn from."""
     for split, docs in documents.items():
       require(len(docs) > 0, "DataConfig", f"the {split} split has no documents",
               "check the data source (DataConfig.source / train_files / eval_files)")
@@ -166,19 +66,19 @@ class Pipeline:
                     else objectives.vocabulary_special_tokens(vocab, mix.num_sentinels))
     self._vocabulary = None if vocab is None else vocab.special_ids()
     self._bos_id = 0 if vocab is None else vocab.start_id
-    self.entries = mixture(mix)
+    self.entries = objective_mix(mix)
     self._cumulative = np.cumsum([e.probability for e in self.entries])
     self._cumulative[-1] = 1.0
     tables = example_tables(config.seq_len, mix, self.entries, self.special)
     self._table = {k: v.ravel() for k, v in tables.items()}
-    self._keys = {split: streams.split_key(config.seed, i) for split, i in SPLITS.items()}
+    self._keys = {split: streams.split_key(config.seed, i) for i, split in enumerate(SPLITS)}
     self._pools = {split: _Pool(docs) for split, docs in documents.items()}
     self._cache: Dict[tuple, Dict[int, Dict[str, np.ndarray]]] = {}  # (split, process) -> step -> batch
     self._lock = threading.Lock()  # batch() may be called from a prefetch thread and the main one
     self._sentinel_ids = np.asarray(self.special.sentinel_ids, np.int32)
 
   def _slot_draws(self, key: np.ndarray, rows: np.ndarray, t: int, pool: "_Pool") -> Tuple[np.ndarray, ...]:
-    """For example slots t.. t + _SLOTS_PER_DRAW - 1 of each row: the table offset of the mixture
+    """For example slots t.. t + _SLOTS_PER_DRAW - 1 of each row: the table offset of the objective
     entry, the document, its length, the uniforms for the window start and the prefix split, each
     (slots, rows)."""
     counters = _SLOT_COUNTERS + _DRAWS_PER_SLOT * t
@@ -208,7 +108,7 @@ class Pipeline:
     return tuple(np.concatenate(d)[:t].T for d in zip(*draws)) + (np.stack(raw, axis=1),)
 
   def _rows(self, split: str, rows: np.ndarray) -> Dict[str, np.ndarray]:
-    """Rows `rows` (global indices) of `split`, in the packing.py format."""
+    """Rows `rows` (global indices) of `split`, in the ul2/packing.py format."""
     s, pool, key, table = self.config.seq_len, self._pools[split], self._keys[split], self._table
     entry_at, doc, doc_len, u_start, u_split, n = self._fill(key, rows, pool)
     at = entry_at + n
@@ -274,7 +174,7 @@ class Pipeline:
     return {"corpus_passes": steps * self.config.batch_size * self.config.seq_len / len(self._pools["train"].tokens)}
 
   def describe(self) -> Dict[str, object]:
-    """The mixture and the pinned special-token ids, for config files and checkpoint metadata."""
+    """The objective mix and the pinned special-token ids, for config files and checkpoint metadata."""
     out = {"objectives": [dict(e.denoiser.to_json(), probability=e.probability) for e in self.entries],
            "special_tokens": self.special.to_json(), "mode_tokens": self.mix.mode_tokens}
     if self._vocabulary is not None:

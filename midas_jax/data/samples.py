@@ -14,7 +14,7 @@ from typing import Dict, Iterator, List
 
 import numpy as np
 
-from midas_jax.data.objectives import OBJECTIVES, SpecialTokens
+from midas_jax.data.ul2.objectives import OBJECTIVES, SpecialTokens
 
 
 def render(tokens, vocab, special: SpecialTokens) -> str:

@@ -26,6 +26,7 @@ import numpy as np
 
 from midas_jax.configs import ModelConfig
 from midas_jax.model import Decoder, kv_cache
+from midas_jax.padding import round_up
 
 LENGTH_BUCKET = 64
 BUDGET_BUCKET = 8
@@ -168,10 +169,6 @@ def _uncached_fn(cfg: ModelConfig, max_new_tokens: int, sampling: Sampling):
   return jax.jit(decode)
 
 
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
-
-
 def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], budgets: Sequence[int],
              stop_ids: Sequence[int], max_length: int, batch_size: int = 32, sampling: Sampling = GREEDY,
              prefix_lengths: Optional[Sequence[int]] = None, cache: bool = True) -> List[Tuple[List[int], bool]]:
@@ -195,7 +192,7 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], budgets
     raise ValueError("need one prefix length per prompt, each between 0 and the prompt's length")
   make = _cached_fn if cache else _uncached_fn
   # The seed is an argument of the compiled program, not part of it: other samples compile nothing.
-  fn = make(cfg, _round_up(max(budgets), BUDGET_BUCKET), dataclasses.replace(sampling, seed=0))
+  fn = make(cfg, round_up(max(budgets), BUDGET_BUCKET), dataclasses.replace(sampling, seed=0))
   seed = np.uint32(sampling.seed)
   params = jax.device_put(params)
   stop = np.asarray(sorted(set(stop_ids)), np.int32)
@@ -206,7 +203,7 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], budgets
   for start in range(0, len(order), rows):
     chunk = order[start:start + rows]
     need = max(len(prompts[i]) + budgets[i] for i in chunk)
-    width = min(max_length, _round_up(need, LENGTH_BUCKET))
+    width = min(max_length, round_up(need, LENGTH_BUCKET))
     tokens = np.zeros((rows, width), np.int32)
     lengths = np.ones((rows,), np.int32)  # dummy rows: one pad token, one step
     row_budgets = np.ones((rows,), np.int32)

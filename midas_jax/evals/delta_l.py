@@ -8,7 +8,7 @@ B's, at every kept checkpoint of a run. Negative Delta L: A is the better-predic
 
 A and B: for the built-in corpus, names of its document kinds or of the groups below, e.g. the
 default A = reasoning (arithmetic and assignment documents) against B = story; for any source, glob
-patterns of text files (options a_files, b_files) read as data/sources.py reads them.
+patterns of text files (options a_files, b_files) read as data/sources/text_files.py reads them.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import numpy as np
 
 from midas_jax import fs
 from midas_jax.checkpoint import available_steps, is_params_export, load_model
-from midas_jax.data import corpus
-from midas_jax.data.sources import read_documents
+from midas_jax.data.sources import corpus
+from midas_jax.data.sources.text_files import read_documents
 from midas_jax.errors import ConfigError, require
 from midas_jax.evals import figures
 from midas_jax.evals.embeddings import pick_steps
 from midas_jax.model import Decoder
+from midas_jax.padding import round_up
 
 KIND_GROUPS: Dict[str, Tuple[str, ...]] = {
     "reasoning": ("arithmetic", "assignment"),
@@ -44,7 +45,7 @@ def kinds_of(name: str, setting: str) -> Tuple[str, ...]:
   if name in KIND_GROUPS:
     return KIND_GROUPS[name]
   kinds = tuple(k.strip() for k in name.replace("+", ",").split(",") if k.strip())
-  known = tuple(k for k, _ in corpus.MIXTURE)
+  known = tuple(k for k, _ in corpus.KIND_SHARES)
   require(bool(kinds) and all(k in known for k in kinds), setting, f"unknown document kind(s) {name!r}",
           f"use a group ({', '.join(KIND_GROUPS)}) or kinds joined by '+' ({', '.join(known)})")
   return kinds
@@ -100,7 +101,7 @@ def mean_loss(params, model_config, rows: Dict[str, np.ndarray], batch_rows: int
   """Mean causal-LM loss per target token over `rows` (padded to whole batches with weight 0)."""
   fn = _loss_sums_fn(model_config)
   n = rows["inputs"].shape[0]
-  total = -(-n // batch_rows) * batch_rows
+  total = round_up(n, batch_rows)
   padded = {k: np.concatenate([v, np.zeros((total - n,) + v.shape[1:], v.dtype)]) for k, v in rows.items()}
   loss, count = 0.0, 0.0
   for start in range(0, total, batch_rows):

@@ -3,32 +3,39 @@
 The MIDAS paper reports the primitives both k-shot and after fine-tuning. Here each task gets its own
 fine-tune from the checkpoint's parameters: AdamW at a constant learning rate (no weight decay,
 gradients clipped at norm 1) on rows `prompt + answer + newline`, the loss on the answer and the
-newline only, so the model learns to answer and to stop, not to write questions. The training
-examples come from their own random stream and never share a prompt with the held-out questions,
-which are then answered zero-shot (the fine-tuned format) by greedy decoding.
+newline only, so the model learns to answer and to stop, not to write questions: the trainer's
+optimizer (optimizer.py) and train step (train/step.py) in a small loop. The training examples
+come from their own random stream and never share a prompt with the held-out questions, which are
+then answered zero-shot (the fine-tuned format) by greedy decoding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-import optax
 
-from midas_jax.configs import ModelConfig
+from midas_jax import optimizer as optimizer_lib
+from midas_jax.configs import ModelConfig, OptimizerConfig
 from midas_jax.errors import require
 from midas_jax.evals import decoding, figures, primitives, scoring
 from midas_jax.evals.options import context_length, option
 from midas_jax.model import Decoder
-from midas_jax.train.step import weighted_cross_entropy
+from midas_jax.train import step as step_lib
+from midas_jax.train_state import TrainState
 
 ROW_BUCKET = 64  # one row width (one compiled step) for every task of the default job
+# AdamW at a constant rate (each fine-tune's own), no weight decay, gradients clipped at norm 1.
+FINETUNE_OPTIMIZER = OptimizerConfig(warmup_steps=0, decay="constant", b1=0.9, b2=0.95, weight_decay=0.0,
+                                     grad_clip_norm=1.0)
 
 
-def training_rows(vocab, examples: Sequence[primitives.Example]) -> Dict[str, np.ndarray]:
+def training_rows(vocab, examples: Sequence[primitives.Question]) -> Dict[str, np.ndarray]:
   """One padded causal row per example: loss weights on the answer and its end of line only."""
   encoded = [(vocab.encode(e.prompt), vocab.encode(e.answer + "\n")) for e in examples]
   width = -(-max(len(p) + len(a) - 1 for p, a in encoded) // ROW_BUCKET) * ROW_BUCKET
@@ -49,30 +56,21 @@ def training_rows(vocab, examples: Sequence[primitives.Example]) -> Dict[str, np
 
 
 @functools.lru_cache(maxsize=8)
-def _optimizer_and_step(cfg: ModelConfig, learning_rate: float):
-  """Built once per (model, learning rate), so the fine-tunes of every task share one compiled step."""
-  model = Decoder(cfg)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=0.0))
-
-  def loss_fn(p, batch):
-    logits = model.apply({"params": p}, batch)
-    return weighted_cross_entropy(logits, batch["targets"], batch["loss_weights"], batch["objective_ids"])[0]
-
-  @jax.jit
-  def step(p, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(p, batch)
-    updates, opt_state = tx.update(grads, opt_state, p)
-    return optax.apply_updates(p, updates), opt_state, loss
-
-  return tx, step
+def _optimizer_and_step(cfg: ModelConfig, learning_rate: float, steps: int):
+  """The optimizer and the jitted train step, built once per (model, learning rate, steps), so the
+  fine-tunes of every task share one compiled step."""
+  opt = dataclasses.replace(FINETUNE_OPTIMIZER, learning_rate=learning_rate)
+  schedule = optimizer_lib.learning_rate_schedule(opt, steps)
+  tx = optimizer_lib.make_optimizer(opt, steps, schedule)
+  return tx, jax.jit(step_lib.make_train_step(Decoder(cfg), tx, schedule, z_loss=0.0))
 
 
 def finetune(params, cfg: ModelConfig, rows: Dict[str, np.ndarray], steps: int, batch_size: int,
              learning_rate: float, seed: int) -> Tuple[Any, List[float]]:
   """`steps` AdamW steps on batches drawn epoch by epoch from `rows`; returns (params, loss per step)."""
-  tx, step = _optimizer_and_step(cfg, float(learning_rate))
+  tx, step = _optimizer_and_step(cfg, float(learning_rate), steps)
   params = jax.device_put(params)  # (jnp.asarray would compile a copy per leaf shape)
-  opt_state = tx.init(params)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
   count = len(rows["inputs"])
   batch_size = min(batch_size, count)
   rng = np.random.default_rng(seed)
@@ -81,9 +79,9 @@ def finetune(params, cfg: ModelConfig, rows: Dict[str, np.ndarray], steps: int, 
     if len(order) < batch_size:
       order = np.concatenate([order, rng.permutation(count)])
     take, order = order[:batch_size], order[batch_size:]
-    params, opt_state, loss = step(params, opt_state, {k: v[take] for k, v in rows.items()})
-    losses.append(loss)
-  return params, [float(x) for x in jax.device_get(losses)]
+    state, metrics = step(state, {k: v[take] for k, v in rows.items()})
+    losses.append(metrics["loss"])
+  return state.params, [float(x) for x in jax.device_get(losses)]
 
 
 def run_suite(model, workdir: str, out_dir: str, options: Mapping[str, Any]) -> Dict[str, Any]:

@@ -13,15 +13,14 @@ config and the run's own vocabulary. It answers the harness's three request type
 Tokens follow the harness's conventions (lm_eval.api.model.TemplateLM): a context's trailing spaces
 move to the continuation, the continuation is what encoding context + continuation adds past the
 context, and an empty context is replaced by the prefix token. Our prefix token is the vocabulary's
-`start_id`, the token every training example's inputs start with (data/packing.py), and by default
+`start_id`, the token every training example's inputs start with (data/ul2/packing.py), and by default
 (`add_bos=True`) a context starts with it too, as every document did in training; `add_bos=False`
 scores raw text as lm_eval's GPT-2 setup does. A row longer than max_length + 1 tokens loses its
 oldest context tokens, as in lm_eval's own models.
 
-Shapes are fixed per call: rows are sorted by length, longest first, in batches of `batch_size`
-(a short batch padded with dummy rows), each padded to a power of two of at least MIN_WIDTH tokens
-(or max_length), so a whole evaluation compiles a handful of programs. Log-probabilities are
-computed in float32 on the device and summed per row in float64 on the host.
+Log-likelihood requests are scored by continuations.py (`totals`), the scorer of the
+`primitive_scores` suite: float32 log-probabilities on the device, summed per row in float64 on the
+host, in batches of few shapes.
 
 generate_until stops a row early at EOS or at a token whose own text contains a stop string (the
 text is cut there anyway); otherwise it runs to max_gen_toks and the text is cut at the first stop
@@ -42,21 +41,19 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from midas_jax import fs
 from midas_jax.checkpoint import load_model
 from midas_jax.configs import ModelConfig
 from midas_jax.errors import ConfigError, require
-from midas_jax.evals import decoding, likelihood
+from midas_jax.evals import continuations, decoding
 from midas_jax.evals.options import context_length
-from midas_jax.model import Decoder, dot_support
+from midas_jax.model import dot_support
 
 NAME = "midas"
-MIN_WIDTH = 32
+RUNS_ALONE = True  # the `lm_eval` suite: its own flags and results JSON (evals/suites.py)
 DEFAULT_MAX_GEN_TOKS = 256
-DEFAULT_BATCH_SIZE = 32
+DEFAULT_BATCH_SIZE = continuations.DEFAULT_BATCH_SIZE
 INSTALL_HINT = "install the eval extra: pip install 'midas_jax[eval]' (lm-eval)"
 
 
@@ -66,64 +63,6 @@ def _import_lm_eval():
   except ImportError:
     raise ConfigError("--suite", "lm_eval is not installed", INSTALL_HINT) from None
   return lm_eval
-
-
-def bucket_width(n: int, max_length: int) -> int:
-  """The padded width of a batch whose longest row has n tokens: a power of two >= MIN_WIDTH, at most max_length."""
-  width = MIN_WIDTH
-  while width < n:
-    width *= 2
-  return min(width, max_length)
-
-
-@functools.lru_cache(maxsize=16)
-def _token_logprob_fn(cfg: ModelConfig):
-  """jit(params, inputs [B, W], targets [B, W], lengths [B]) -> (log p(target) [B, W], target is the argmax [B, W])."""
-  model = Decoder(cfg)
-
-  def fn(params, inputs, targets, lengths):
-    logits = model.apply({"params": params}, likelihood.causal_rows(inputs, lengths)).astype(jnp.float32)
-    # logsumexp rather than log_softmax: one [B, W, V] buffer, not two.
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    logp = picked - jax.nn.logsumexp(logits, axis=-1)
-    return logp, jnp.argmax(logits, axis=-1) == targets
-
-  return jax.jit(fn)
-
-
-def score_rows(params, cfg: ModelConfig, rows: Sequence[Tuple[Sequence[int], Sequence[int]]], max_length: int,
-               batch_size: int = DEFAULT_BATCH_SIZE) -> List[Tuple[float, bool]]:
-  """For each (context ids, continuation ids): (sum of the continuation's log-probs, whether every
-  continuation token is the argmax given the true prefix). The context needs a token; context +
-  continuation beyond max_length + 1 tokens drops the oldest context tokens."""
-  if not rows:
-    return []
-  for ctx, cont in rows:
-    if not ctx or not cont or len(cont) > max_length:
-      raise ValueError(f"a row needs a context and 1 to {max_length} continuation tokens; got {len(ctx)} and "
-                       f"{len(cont)}")
-  fn = _token_logprob_fn(cfg)
-  params = jax.device_put(params)
-  # A row as the model sees it: the last max_length + 1 tokens, shifted by one.
-  whole = [(list(ctx) + list(cont))[-(max_length + 1):] for ctx, cont in rows]
-  width_rows = min(batch_size, 1 << (len(rows) - 1).bit_length())  # no wider than the work
-  order = sorted(range(len(rows)), key=lambda i: -len(whole[i]))  # longest first: a memory error comes at once
-  out: List[Tuple[float, bool]] = [(0.0, False)] * len(rows)
-  for start in range(0, len(order), width_rows):
-    chunk = order[start:start + width_rows]
-    width = bucket_width(max(len(whole[i]) - 1 for i in chunk), max_length)
-    inputs = np.zeros((width_rows, width), np.int32)
-    targets = np.zeros((width_rows, width), np.int32)
-    lengths = np.ones((width_rows,), np.int32)  # dummy rows: one pad token
-    for r, i in enumerate(chunk):
-      ids = whole[i]
-      inputs[r, :len(ids) - 1], targets[r, :len(ids) - 1] = ids[:-1], ids[1:]
-      lengths[r] = len(ids) - 1
-    logp, greedy = (np.asarray(a) for a in fn(params, inputs, targets, lengths))
-    for r, i in enumerate(chunk):
-      n, scored = len(whole[i]) - 1, len(rows[i][1])
-      out[i] = (float(np.sum(logp[r, n - scored:n], dtype=np.float64)), bool(np.all(greedy[r, n - scored:n])))
-  return out
 
 
 def cut_at_stops(text: str, stops: Sequence[str]) -> str:
@@ -233,8 +172,7 @@ def lm_class():
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
       # A context of nothing but spaces has no tokens once they move to the continuation: the prefix token.
       rows = [(ctx or [self.prefix_token_id], cont) for _, ctx, cont in requests]
-      results = score_rows(self.params, self.model_config, rows,
-                           self._max_length, self.batch_size)
+      results = continuations.totals(self.params, self.model_config, rows, self._max_length, self.batch_size)
       for (key, _, _), result in zip(requests, results):
         if key is not None:
           self.cache_hook.add_partial("loglikelihood", key, result)
@@ -247,13 +185,13 @@ def lm_class():
         for window in get_rolling_token_windows(tokens, self.prefix_token_id, self._max_length, context_len=1):
           windows.append(make_disjoint_window(window))
           owner.append(index)
-      totals = [0.0] * len(requests)  # an empty document: log 1
-      for index, (logp, _) in zip(owner, score_rows(self.params, self.model_config, windows, self._max_length,
-                                                    self.batch_size)):
-        totals[index] += logp
-      for req, total in zip(requests, totals):
+      scored = continuations.totals(self.params, self.model_config, windows, self._max_length, self.batch_size)
+      sums = [0.0] * len(requests)  # an empty document: log 1
+      for index, (logp, _) in zip(owner, scored):
+        sums[index] += logp
+      for req, total in zip(requests, sums):
         self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
-      return totals
+      return sums
 
     def _gen_request(self, gen_kwargs: Dict[str, Any]) -> _GenRequest:
       kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)

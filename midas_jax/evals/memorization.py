@@ -1,7 +1,7 @@
 """Memorization against reasoning at our scale: closed-book recall of the built-in world's facts, and
 the same questions with the fact in the context (open book), the MIDAS paper's closed- vs open-book split.
 
-The default job's model trained on facts documents about the corpus's world (data/corpus.py): they
+The default job's model trained on facts documents about the corpus's world (data/sources/corpus.py): they
 state attributes of its 300 people and ask "Q: How old is Doru? A: 41." about them. Each question
 here is asked three ways, zero-shot in the corpus's own format:
 
@@ -21,10 +21,10 @@ import random
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
-from midas_jax.data import corpus
+from midas_jax.data.sources import corpus
 from midas_jax.evals import decoding, figures, scoring
 from midas_jax.evals.options import context_length, option
-from midas_jax.evals.primitives import Example
+from midas_jax.evals.primitives import Question
 
 STATEMENTS = {
     "city": "{e} lives in {v}.", "color": "The favorite color of {e} is {v}.", "job": "{e} works as a {v}.",
@@ -40,23 +40,23 @@ def applies(model, options) -> Optional[str]:
   return None
 
 
-def questions(num: int, seed: int, corpus_seed: int = 0) -> Dict[str, List[Example]]:
+def questions(num: int, seed: int, corpus_seed: int = 0) -> Dict[str, List[Question]]:
   """`num` distinct (person, attribute) questions under each condition, a pure function of the seeds."""
   world = corpus.world(corpus_seed)
   rng = random.Random(f"midas-evals/memorization/{seed}")
   pairs = [(e, a) for e in world.entities for a in corpus.ATTRIBUTES]
-  out: Dict[str, List[Example]] = {c: [] for c in CONDITIONS}
+  out: Dict[str, List[Question]] = {c: [] for c in CONDITIONS}
   for entity, attribute in rng.sample(pairs, min(num, len(pairs))):
     value = world.value(entity, attribute)
     other = rng.choice([v for v in world.choices[attribute] if v != value])
     question = corpus.question(entity, attribute)
     meta = {"entity": entity, "attribute": attribute, "world_value": value,
             "chance": 1.0 / len(world.choices[attribute])}
-    out["closed_book"].append(Example(question, f" {value}", meta))
-    out["open_book"].append(Example(f"{STATEMENTS[attribute].format(e=entity, v=value)}\n{question}", f" {value}",
+    out["closed_book"].append(Question(question, f" {value}", meta))
+    out["open_book"].append(Question(f"{STATEMENTS[attribute].format(e=entity, v=value)}\n{question}", f" {value}",
                                     meta))
     out["open_book_counterfactual"].append(
-        Example(f"{STATEMENTS[attribute].format(e=entity, v=other)}\n{question}", f" {other}", meta))
+        Question(f"{STATEMENTS[attribute].format(e=entity, v=other)}\n{question}", f" {other}", meta))
   return out
 
 

@@ -2,7 +2,7 @@
 
 The paper names the primitives (induction copying, variable assignment at depth 0, 1 and 2, pre-school
 math) but publishes no templates, so these formats are ours. They use the notation of the built-in
-corpus (data/corpus.py), whose training split has lines of every one of these forms, so a model
+corpus (data/sources/corpus.py), whose training split has lines of every one of these forms, so a model
 trained on it knows the notation; the questions themselves are held out: evaluation questions are
 drawn only among the prompts `corpus.is_held_out` keeps out of the training split, fine-tuning
 examples only among the others:
@@ -25,7 +25,7 @@ piece see the same pieces). A k-shot prompt is k solved examples of the task, on
 the query; decoding stops at the end of the line and scoring is exact match (scoring.py).
 Everything is a pure function of (task, seed, index).
 
-`candidates(example)` lists the answers a forced choice weighs against each other (likelihood.py):
+`candidates(question)` lists the answers a forced choice weighs against each other (primitive_scores.py):
 the distinct digits of the prompt for assignment (the value and its two distractors), the integers
 within CANDIDATE_RADIUS of the result for pre-school math, and for copying the true sequence
 against NUM_SHUFFLES shuffles of its own symbols.
@@ -40,7 +40,7 @@ import string
 import time
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
-from midas_jax.data.corpus import is_held_out, math_question
+from midas_jax.data.sources.corpus import is_held_out, math_question
 from midas_jax.errors import ConfigError, require
 from midas_jax.evals import decoding, figures, scoring
 from midas_jax.evals.options import context_length, option
@@ -55,7 +55,7 @@ STREAMS = ("eval", "finetune")
 
 
 @dataclasses.dataclass(frozen=True)
-class Example:
+class Question:
   """One question: the model reads `prompt` and should write `answer` (then end the line)."""
 
   prompt: str
@@ -69,7 +69,7 @@ class Example:
 class Task(NamedTuple):
   primitive: str
   depth: Optional[int]
-  make: Callable[[random.Random], Example]
+  make: Callable[[random.Random], Question]
 
 
 def _interleave(rng: random.Random, ordered: List[str], others: List[str]) -> List[str]:
@@ -80,25 +80,25 @@ def _interleave(rng: random.Random, ordered: List[str], others: List[str]) -> Li
   return [next(others_it) if i in slots else next(ordered_it) for i in range(total)]
 
 
-def make_copying(rng: random.Random) -> Example:
+def make_copying(rng: random.Random) -> Question:
   length = rng.randint(*COPY_LENGTHS)
   seq = "".join(rng.choices(COPY_SYMBOLS, k=length))
-  return Example(f"{seq} | copy:", f" {seq}", {"length": length})
+  return Question(f"{seq} | copy:", f" {seq}", {"length": length})
 
 
-def make_assignment(rng: random.Random, depth: int) -> Example:
+def make_assignment(rng: random.Random, depth: int) -> Question:
   names = rng.sample(NAMES, depth + 1 + NUM_DISTRACTORS)
   chain, distractors = names[:depth + 1], names[depth + 1:]
   values = rng.sample(range(10), 1 + NUM_DISTRACTORS)
   statements = [f"{chain[0]}={values[0]}"] + [f"{b}={a}" for a, b in zip(chain, chain[1:])]
   noise = [f"{d}={v}" for d, v in zip(distractors, values[1:])]
   program = _interleave(rng, statements, noise)
-  return Example("; ".join(program) + f"; print {chain[-1]} ->", f" {values[0]}", {"depth": depth})
+  return Question("; ".join(program) + f"; print {chain[-1]} ->", f" {values[0]}", {"depth": depth})
 
 
-def make_psm(rng: random.Random) -> Example:
+def make_psm(rng: random.Random) -> Question:
   prompt, result, op = math_question(rng)  # the corpus's own generator: the same notation by construction
-  return Example(prompt, f" {result}", {"op": op})
+  return Question(prompt, f" {result}", {"op": op})
 
 
 TASKS: Dict[str, Task] = {
@@ -110,14 +110,14 @@ TASKS: Dict[str, Task] = {
 }
 
 
-def candidates(example: Example) -> List[str]:
+def candidates(question: Question) -> List[str]:
   """The answers a forced choice weighs, the true one first; none is a prefix of another.
 
-  Computed from the query (meta["query"] for a k-shot example, else the prompt) and the answer.
+  Computed from the query (meta["query"] for a k-shot question, else the prompt) and the answer.
   """
-  task = example.meta["task"]
-  query = example.meta.get("query", example.prompt)
-  truth = example.answer
+  task = question.meta["task"]
+  query = question.meta.get("query", question.prompt)
+  truth = question.answer
   if task == "copying":
     rng = random.Random(f"midas-evals/candidates/{query}")
     seq, shuffles = truth[1:], []
@@ -142,8 +142,8 @@ def _task(name: str) -> Task:
   return TASKS[name]
 
 
-def sample(task: str, num: int, seed: int, stream: str = "eval", exclude: Sequence[str] = ()) -> List[Example]:
-  """`num` examples of `task` with distinct prompts, none in `exclude`; a pure function of the arguments.
+def sample(task: str, num: int, seed: int, stream: str = "eval", exclude: Sequence[str] = ()) -> List[Question]:
+  """`num` questions of `task` with distinct prompts, none in `exclude`; a pure function of the arguments.
 
   `stream` names an independent random stream: "eval" draws only questions held out of the corpus's
   training split (corpus.is_held_out), "finetune" only the others.
@@ -162,16 +162,16 @@ def sample(task: str, num: int, seed: int, stream: str = "eval", exclude: Sequen
     if ex.prompt in seen or is_held_out(ex.prompt) != (stream == "eval"):
       continue
     seen.add(ex.prompt)
-    out.append(Example(ex.prompt, ex.answer, dict(ex.meta, task=task, primitive=spec.primitive,
+    out.append(Question(ex.prompt, ex.answer, dict(ex.meta, task=task, primitive=spec.primitive,
                                                   depth=spec.depth)))
   return out
 
 
-def shots_for(task: str, query: Example, k: int, seed: int, index: int) -> List[Example]:
+def shots_for(task: str, query: Question, k: int, seed: int, index: int) -> List[Question]:
   """k solved examples for query `index`: distinct, and none is the query itself."""
   spec = _task(task)
   rng = random.Random(f"midas-evals/{task}/{seed}/shots/{index}")
-  shots: List[Example] = []
+  shots: List[Question] = []
   while len(shots) < k:
     ex = spec.make(rng)
     if ex.prompt != query.prompt and all(ex.prompt != s.prompt for s in shots):
@@ -179,12 +179,12 @@ def shots_for(task: str, query: Example, k: int, seed: int, index: int) -> List[
   return shots
 
 
-def k_shot_prompt(query: Example, shots: Sequence[Example]) -> str:
+def k_shot_prompt(query: Question, shots: Sequence[Question]) -> str:
   return "".join(s.prompt + s.answer + "\n" for s in shots) + query.prompt
 
 
-def k_shot_examples(task: str, num: int, k: int, seed: int, encode: Callable[[str], List[int]],
-                    max_prompt_tokens: int) -> List[Example]:
+def k_shot_questions(task: str, num: int, k: int, seed: int, encode: Callable[[str], List[int]],
+                     max_prompt_tokens: int) -> List[Question]:
   """`num` k-shot questions; when a prompt is longer than max_prompt_tokens its first shots are dropped.
 
   meta["shots"] records how many shots each prompt kept. A query that does not fit even without
@@ -200,7 +200,7 @@ def k_shot_examples(task: str, num: int, k: int, seed: int, encode: Callable[[st
     if len(encode(prompt)) > max_prompt_tokens:
       raise ConfigError("DataConfig.seq_len", f"a {task} question ({len(encode(prompt))} tokens) does not fit "
                         f"the {max_prompt_tokens} tokens left for prompts", "evaluate a model with a longer seq_len")
-    out.append(Example(prompt, query.answer, dict(query.meta, shots=len(shots), query=query.prompt)))
+    out.append(Question(prompt, query.answer, dict(query.meta, shots=len(shots), query=query.prompt)))
   return out
 
 
@@ -221,7 +221,7 @@ def evaluate_k_shot(params, model_config, vocab, context_len: int, options: Mapp
   per_task, examples = {}, []
   for name in task_names(options):
     budget = max(decoding.answer_budget(vocab, e) for e in sample(name, num, seed))
-    per_task[name] = k_shot_examples(name, num, k, seed, vocab.encode, context_len - budget)
+    per_task[name] = k_shot_questions(name, num, k, seed, vocab.encode, context_len - budget)
     examples += per_task[name]
   completions = decoding.complete(params, model_config, vocab, [e.prompt for e in examples],
                                   [decoding.answer_budget(vocab, e) for e in examples], max_length=context_len,

@@ -6,6 +6,10 @@ returned dict must be JSON-serializable; its options and their defaults are eval
 suite module may also define `applies(model, options) -> str | None`, the reason it does not apply
 to that model (None when it does); `--suite=all` skips those, naming the reason, and asking for one
 by name turns the reason into an error.
+
+A suite whose module sets RUNS_ALONE (lm_eval: lm-evaluation-harness tasks, with flags and a results
+JSON of their own, lm_eval_adapter.evaluate) is asked for by itself, runs through its own command
+path in `midas eval`, and is left out of `--suite=all`.
 """
 
 from __future__ import annotations
@@ -17,20 +21,21 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from midas_jax import fs
 from midas_jax.errors import ConfigError
-from midas_jax.evals import (delta_l, embeddings, finetune, likelihood, looped_primitives, memorization,
-                             primitives, similarity)
+from midas_jax.evals import (delta_l, embeddings, finetune, lm_eval_adapter, looping, memorization,
+                             primitive_scores, primitives, similarity)
 from midas_jax.evals.options import effective_options
 from midas_jax.model import dot_support
 
 SUITES: Dict[str, ModuleType] = {
     "primitives": primitives,
-    "primitive_scores": likelihood,
+    "primitive_scores": primitive_scores,
     "primitives_finetune": finetune,
     "memorization": memorization,
-    "looping": looped_primitives,
+    "looping": looping,
     "similarity": similarity,
     "embeddings": embeddings,
     "delta_l": delta_l,
+    "lm_eval": lm_eval_adapter,
 }
 
 
@@ -38,6 +43,11 @@ def _known(name: str) -> ModuleType:
   if name not in SUITES:
     raise ConfigError("--suite", f"unknown suite {name!r}", f"use one of {tuple(SUITES) + ('all',)}")
   return SUITES[name]
+
+
+def runs_alone(name: str) -> bool:
+  """Whether suite `name` runs by itself, through its own command path (see the module's docstring)."""
+  return bool(getattr(SUITES.get(name), "RUNS_ALONE", False))
 
 
 def skip_reason(name: str, model, options: Mapping[str, Any]) -> Optional[str]:
@@ -48,7 +58,10 @@ def skip_reason(name: str, model, options: Mapping[str, Any]) -> Optional[str]:
 
 def resolve(suite: str) -> List[str]:
   """Names to run for --suite (a name, a comma-separated list or "all"); checks them."""
-  names = list(SUITES) if suite == "all" else [s.strip() for s in suite.split(",") if s.strip()]
+  if suite == "all":
+    names = [n for n in SUITES if not runs_alone(n)]
+  else:
+    names = [s.strip() for s in suite.split(",") if s.strip()]
   for name in names:
     _known(name)
   if not names:

@@ -17,7 +17,7 @@ otherwise be undefined). Implementations (ModelConfig.attention):
   flash        the fused Pallas kernels of model/kernels/ (TPU: Mosaic, GPU: Triton, CPU: interpreted):
                no [batch, heads, T, T] tensor, fully masked blocks skipped;
   cudnn        NVIDIA GPUs only: cuDNN's fused attention through jax.nn.dot_product_attention
-               (model/cudnn_attention.py), handed the dense boolean mask; bfloat16/float16 only;
+               (model/kernels/cudnn.py), handed the dense boolean mask; bfloat16/float16 only;
   auto         flash on TPU; on an NVIDIA GPU cudnn where it applies, else dot_product (the Triton
                build of the flash kernels has been lowered but never run: ask for flash to try it);
                dot_product on CPU.
@@ -36,8 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from midas_jax.errors import ConfigError
-from midas_jax.model import cudnn_attention as cudnn
-from midas_jax.model.kernels import flash_attention
+from midas_jax.model.kernels import cudnn, flash_attention
 from midas_jax.model.matmul import ATTENTION, PROJECTION, dot, dot_to_float32
 
 # A masked score: exp(MASKED_SCORE - max) is 0 beside any visible score, and finite arithmetic
@@ -94,7 +93,7 @@ def _last_prefix_positions(seg: jax.Array, pos: jax.Array, prefix: jax.Array) ->
   An example's prefix is one run of its row, so this is the position at the end of each token's run
   of equal (segment, prefix) values: a reverse running minimum of the runs' last indices and one
   gather. No scatter: a TPU offloads a scatter to its SparseCore, a call the compiler's cost model
-  cannot price (it counts -1 s for it; bench/cost_model.py).
+  cannot price (it counts -1 s for it; analysis/cost_model.py).
   """
   length = seg.shape[1]
   index = jnp.arange(length, dtype=jnp.int32)[None, :]
@@ -132,7 +131,7 @@ def make_attention_mask(segment_ids: jax.Array, positions: jax.Array,
 def resolve(implementation: str, platform: Optional[str] = None, dtype: str = "bfloat16",
             head_dim: int = 64) -> str:
   """ModelConfig.attention for `platform`: 'auto' -> 'flash' on TPU, 'cudnn' on an NVIDIA GPU where
-  cuDNN takes the model (dtype, head_dim: model/cudnn_attention.py), else 'dot_product'.
+  cuDNN takes the model (dtype, head_dim: model/kernels/cudnn.py), else 'dot_product'.
 
   On GPU the flash kernels (Pallas on Triton) have been lowered but never compiled by Triton or run,
   so 'auto' takes paths that have run there: cuDNN's kernel, or XLA's dense ops. 'cudnn' where it

@@ -3,9 +3,11 @@
 One cell = one (arm, gamma, learning rate, depth, seed): a fresh Decoder with ModelConfig(init="gamma")
 trained by the study's optimizer at that peak rate on the loss of the last token only, at `depth`
 throughout (arm "fixed"), grown to it from one layer, one layer per stage, by MIDAS, GradStack or
-fresh_block (the same gather along the `layers` axis as the trainer's, stacking/grow.py; fresh_block's
-new layer is drawn at the cell's gamma init), or as a weight-tied looped model of `depth` layer
-applications (arm_model). Its score, on test-split rows nobody trained on:
+fresh_block (fresh_block's new layer is drawn at the cell's gamma init), or as a weight-tied looped
+model of `depth` layer applications (arm_model). It trains as the trainer does, in a small loop: the
+trainer's optimizer (optimizer.py), train step (train/step.py, the loss weighted onto the last token)
+and growth of the TrainState (stacking/grow.py); only the data (rows drawn from a fixed set inside one
+lax.scan) and the scoring are the study's own. Its score, on test-split rows nobody trained on:
   inferential  fraction of held-out (4, 3) rows answered key-10 (the composite: reasoning)
   symmetric    fraction answered key-6 (the rule of the mirror pair (3, 4): memorizing)
   seen         accuracy on the 15 training pairs (did the model fit the task at all?)
@@ -14,6 +16,7 @@ applications (arm_model). Its score, on test-split rows nobody trained on:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -22,19 +25,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
 from midas_jax import flops
 from midas_jax import optimizer as optimizer_lib
 from midas_jax.configs import ModelConfig
 from midas_jax.model import Decoder
-from midas_jax.sharding import mirror_param_specs
 from midas_jax.stacking import operators
 from midas_jax.stacking.grow import grow_state
 from midas_jax.stacking.schedule import prop_alpha_steps
 from midas_jax.studies import anchor_task
 from midas_jax.studies.anchor_config import GROWN, AnchorStudyConfig
-from midas_jax.train_state import TrainState
+from midas_jax.train import step as step_lib
+from midas_jax.train_state import TrainState, abstract_state
 
 EVAL_SEED = 12345  # every cell is scored on the same rows
 KINDS = ("inferential", "symmetric", "neither", "unfit")
@@ -77,17 +79,28 @@ def decoder_batch(tokens: jax.Array) -> Dict[str, jax.Array]:
           "segment_ids": jnp.ones((b, t), jnp.int32), "prefix_mask": jnp.zeros((b, t), jnp.bool_)}
 
 
+def last_token_batch(tokens: jax.Array, labels: jax.Array) -> Dict[str, jax.Array]:
+  """decoder_batch with the train step's loss on the last token alone: target `labels`, weight 1 there, 0
+  elsewhere (the weighted mean over the batch is then the mean of the answers' cross-entropies)."""
+  b, t = tokens.shape
+  last = jnp.broadcast_to(jnp.arange(t) == t - 1, (b, t))
+  return dict(decoder_batch(tokens), targets=jnp.where(last, labels[:, None], 0).astype(jnp.int32),
+              loss_weights=last.astype(jnp.float32), objective_ids=jnp.zeros((b, t), jnp.int32))
+
+
 def last_token_logits(model: Decoder, params, tokens: jax.Array) -> jax.Array:
   """Logits at the last position, [b, 100]: the task's one answer token."""
   return model.apply({"params": params}, decoder_batch(tokens))[:, -1, :anchor_task.VOCAB_SIZE]
 
 
-def make_optimizer(cfg: AnchorStudyConfig,
-                   learning_rate: Optional[float] = None) -> optax.GradientTransformation:
-  """The study's optimizer over its steps at peak rate `learning_rate` (None: the optimizer's own; by
-  default the paper's: AdamW with embeddings decayed too, after clipping, warmup + cosine)."""
-  opt = cfg.optimizer if learning_rate is None else cfg.cell_optimizer(learning_rate)
-  return optimizer_lib.make_optimizer(opt, cfg.steps)
+def cell_optimizer(cfg: AnchorStudyConfig, learning_rate: float) -> Tuple[optax.GradientTransformation,
+                                                                          optax.Schedule]:
+  """(optimizer, its schedule) of a cell, built as the trainer builds them (train/build.py): the study's
+  optimizer (by default the paper's: AdamW with embeddings decayed too, after clipping, warmup + cosine)
+  at peak rate `learning_rate`, its schedule over the study's steps."""
+  opt = cfg.cell_optimizer(learning_rate)
+  schedule = optimizer_lib.learning_rate_schedule(opt, cfg.steps)
+  return optimizer_lib.make_optimizer(opt, cfg.steps, schedule), schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,39 +145,30 @@ def stage_plan(cfg: AnchorStudyConfig, arm: str, depth: int) -> List[Tuple[int, 
   return [(i + 1, t) for i, t in enumerate(steps)]
 
 
-def _logical_state(model: Decoder, tx: optax.GradientTransformation, params) -> TrainState:
-  """The logical axis names of (params, optimizer state): where growth finds each `layers` axis."""
-  boxed = jax.eval_shape(model.init, jax.random.key(0), decoder_batch(jnp.zeros((1, anchor_task.SEQ_LEN), jnp.int32)))
-  specs = nn.get_partition_spec(boxed["params"])
-  opt_shapes = jax.eval_shape(tx.init, params)
-  return TrainState(step=P(), params=specs, opt_state=mirror_param_specs(opt_shapes, params, specs))
-
-
 def init_params(model: Decoder, key: jax.Array):
   """A fresh draw of `model`'s parameters (its ModelConfig's init: the cell's gamma)."""
   return nn.unbox(model.init(key, decoder_batch(jnp.zeros((1, anchor_task.SEQ_LEN), jnp.int32)))["params"])
 
 
-def grow(model: Decoder, tx, params, opt_state, operator: str, fresh_params=None):
-  """(params, opt_state) one layer deeper, grown by `operator`: copied layers keep their moments; a
-  fresh layer (fresh_block) takes its rows of `fresh_params`, a draw of the deeper model at the same
-  init, and zero moments."""
-  depth = model.cfg.num_layers
-  provenance = operators.provenance_for(operator, depth, 1)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
-  fresh = None if fresh_params is None else TrainState(step=state.step, params=fresh_params, opt_state=None)
-  grown = grow_state(state, _logical_state(model, tx, params), provenance, new_moments="copy", fresh_state=fresh)
-  return grown.params, grown.opt_state
+def init_state(model: Decoder, tx: optax.GradientTransformation, key: jax.Array) -> TrainState:
+  """Step 0: a fresh draw of the parameters and the optimizer's initial state."""
+  params = init_params(model, key)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def next_stage(cfg: AnchorStudyConfig, arm: str, gamma: float, depth: int, model: Decoder, tx, params, opt_state,
-               key: jax.Array):
-  """(model, params, opt_state) of a grown arm's next stage, `depth` layers: grown by the arm's operator;
-  fresh_block's new layer comes from a draw of the deeper model at the cell's gamma init with `key`."""
+def next_stage(cfg: AnchorStudyConfig, arm: str, gamma: float, depth: int, model: Decoder,
+               tx: optax.GradientTransformation, state: TrainState, key: jax.Array) -> Tuple[Decoder, TrainState]:
+  """(model, state) of a grown arm's next stage, `depth` layers: the state grown one layer by the arm's
+  operator, as the trainer grows it (copied layers keep their Adam moments, the step continues);
+  fresh_block's new layer comes from a draw of the deeper model at the cell's gamma init with `key`, with
+  zero moments."""
   deeper = Decoder(arm_model(cfg, arm, gamma, depth))
-  fresh = init_params(deeper, key) if arm == "fresh_block" else None
-  params, opt_state = grow(model, tx, params, opt_state, arm, fresh)
-  return deeper, params, opt_state
+  fresh = None
+  if arm == "fresh_block":
+    fresh = TrainState(step=state.step, params=init_params(deeper, key), opt_state=None)
+  provenance = operators.provenance_for(arm, model.cfg.num_layers, 1)
+  _, logical = abstract_state(model, tx, anchor_task.SEQ_LEN)
+  return deeper, grow_state(state, logical, provenance, new_moments="copy", fresh_state=fresh)
 
 
 def train_cell(cfg: AnchorStudyConfig, gamma: float, depth: int, seed: int,
@@ -185,25 +189,24 @@ def train_cell(cfg: AnchorStudyConfig, gamma: float, depth: int, seed: int,
   plan = stage_plan(cfg, arm, depth)
   model = Decoder(arm_model(cfg, arm, gamma, plan[0][0]))
   init_key, data_key = jax.random.split(jax.random.key(seed))
-  params = init_params(model, init_key)
-  tx = make_optimizer(cfg, learning_rate)
-  opt_state = tx.init(params)
+  tx, schedule = cell_optimizer(cfg, learning_rate)
+  state = init_state(model, tx, init_key)
   every = cfg.eval_every or cfg.steps
   trajectory, done, train_flops = [], 0, 0.0
   for index, (stage_depth, stage_steps) in enumerate(plan):
     if index:
-      model, params, opt_state = next_stage(cfg, arm, gamma, stage_depth, model, tx, params, opt_state,
-                                            jax.random.fold_in(init_key, index))
+      model, state = next_stage(cfg, arm, gamma, stage_depth, model, tx, state, jax.random.fold_in(init_key, index))
     train_flops += stage_steps * train_flops_per_step(cfg, model.cfg)
-    run, predict = _stage_programs(model, tx, cfg.batch_size)
+    run = train_program(model, tx, schedule, cfg.optimizer.z_loss, cfg.batch_size)
+    predict = predictor(model)
     end = done + stage_steps
     while done < end:
       n = min(every - done % every, end - done)
-      params, opt_state, loss = run(params, opt_state, jnp.arange(done, done + n), tokens, labels, data_key)
+      state, loss = run(state, tokens, labels, data_key, n)
       done += n
       if done % every == 0 or done == end:
-        held = np.asarray(predict(params, jnp.asarray(sets.held_out.tokens)))
-        seen = np.asarray(predict(params, jnp.asarray(sets.seen.tokens)))
+        held = np.asarray(predict(state.params, jnp.asarray(sets.held_out.tokens)))
+        seen = np.asarray(predict(state.params, jnp.asarray(sets.seen.tokens)))
         trajectory.append(dict(step=done, depth=stage_depth, loss=float(loss), **score(held, seen, sets)))
   final = {k: trajectory[-1][k] for k in ("inferential", "symmetric", "seen")}
   extra = {}
@@ -213,32 +216,30 @@ def train_cell(cfg: AnchorStudyConfig, gamma: float, depth: int, seed: int,
     extra = {"loop_block": cfg.loop_block}
   return dict(arm=arm, gamma=float(gamma), learning_rate=learning_rate, depth=int(depth), seed=int(seed), **final,
               kind=classify(final, cfg.fit_threshold), final_loss=trajectory[-1]["loss"],
-              train_flops=train_flops, params=int(sum(x.size for x in jax.tree.leaves(params))),
+              train_flops=train_flops, params=int(sum(x.size for x in jax.tree.leaves(state.params))),
               seconds=round(time.time() - start, 1), **extra, trajectory=trajectory)
 
 
-def _stage_programs(model: Decoder, tx, batch_size: int):
-  """The jitted training scan and argmax prediction of one stage's model."""
+def train_program(model: Decoder, tx: optax.GradientTransformation, schedule: optax.Schedule, z_loss: float,
+                  batch_size: int):
+  """run(state, rows, labels, key, steps) -> (state, mean loss): `steps` of the trainer's train step in one
+  jitted lax.scan, each on `batch_size` rows drawn by (key, step); the data are arguments, not constants
+  baked into the program."""
+  train_step = step_lib.make_train_step(model, tx, schedule, z_loss)
 
-  def loss_fn(p, rows, targets):
-    logits = last_token_logits(model, p, rows)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+  @functools.partial(jax.jit, static_argnums=4)
+  def run(state: TrainState, rows: jax.Array, labels: jax.Array, key: jax.Array, steps: int):
+    def one_step(state, _):
+      idx = jax.random.randint(jax.random.fold_in(key, state.step), (batch_size,), 0, rows.shape[0])
+      state, metrics = train_step(state, last_token_batch(rows[idx], labels[idx]))
+      return state, metrics["loss"]
 
-  @jax.jit
-  def run(p, o, steps, rows, targets, key):
-    """len(steps) optimizer steps in one scan; the data are arguments, not constants baked into the program."""
-    def one_step(carry, step):
-      p, o = carry
-      idx = jax.random.randint(jax.random.fold_in(key, step), (batch_size,), 0, rows.shape[0])
-      loss, grads = jax.value_and_grad(loss_fn)(p, rows[idx], targets[idx])
-      updates, o = tx.update(grads, o, p)
-      return (optax.apply_updates(p, updates), o), loss
+    state, losses = jax.lax.scan(one_step, state, length=steps)
+    return state, losses.mean()
 
-    (p, o), losses = jax.lax.scan(one_step, (p, o), steps)
-    return p, o, losses.mean()
+  return run
 
-  @jax.jit
-  def predict(p, rows):
-    return jnp.argmax(last_token_logits(model, p, rows), axis=-1)
 
-  return run, predict
+def predictor(model: Decoder):
+  """predict(params, rows) -> the argmax answer of every row, jitted."""
+  return jax.jit(lambda params, rows: jnp.argmax(last_token_logits(model, params, rows), axis=-1))

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Tuple
 
+from midas_jax import gin_config
 from midas_jax.configs import ModelConfig, OptimizerConfig
 from midas_jax.errors import require
 
@@ -125,3 +126,6 @@ class AnchorStudyConfig:
     """The model of one cell: `model` at `depth` layers, initialized at rate `gamma`, for the task."""
     return dataclasses.replace(self.model, vocab_size=vocab_size, num_layers=depth, max_seq_len=seq_len,
                                init="gamma", init_gamma=float(gamma))
+
+
+gin_config.register(AnchorStudyConfig)  # `AnchorStudyConfig.gammas = [...]` in gin files and --gin flags

@@ -1,7 +1,8 @@
 """The multi-seed stacking study: lengths x arms x learning rates x seeds, and what each cell measured.
 
 One run config (model, data, optimizer, and the stacked schedule in StackingConfig) gives every
-arm (studies/study_arms.py); a StackingStudyConfig says which lengths, arms, rates and seeds:
+arm (studies/study_arms.py); a StackingStudyConfig (studies/stacking_config.py) says which lengths, arms,
+rates and seeds:
 
   steps           the training lengths (empty: the run config's TrainerConfig.num_steps alone, with
                   its own warm-up and eval_every); at each, every arm's schedule is built for it
@@ -20,7 +21,7 @@ see the same data), then measured:
                  same batches), then at the next eval
   growth_steps   growth_window steps either side of each growth, one by one: loss, gradient norm and
                  the update norm of the copied block (train/growth_probe.py)
-  primitives     likelihood.py's four scores per primitive on the final checkpoint
+  primitives     primitive_scores.py's four scores per primitive on the final checkpoint
 Then, with matched_arms, the baseline (which keeps a checkpoint at every eval) is read at each such
 arm's final held-out loss: its primitive scores interpolated between the two bracketing saves
 (matched_loss.py), into DIR/matched.jsonl.
@@ -43,100 +44,19 @@ from midas_jax.checkpoint import load_model
 from midas_jax.checkpoint.metadata import config_to_dict
 from midas_jax.configs import RunConfig
 from midas_jax.data.factory import load_data
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.errors import NonFiniteLossError, require
-from midas_jax.evals import likelihood
+from midas_jax.evals import primitive_scores
 from midas_jax.stacking.checks import schedule_for
 from midas_jax.studies import matched_loss
 from midas_jax.studies import stacking_study_page as page
-from midas_jax.studies.study_arms import arm_config as _arm_config
-from midas_jax.studies.study_arms import equal_flops_steps, length_run, parse_arm
+from midas_jax.studies.stacking_config import STACKED, StackingStudyConfig
+from midas_jax.studies.study_arms import arm_config, length_run, parse_arm
 from midas_jax.train.build import build_stage
 from midas_jax.train.metrics import read_metrics
 from midas_jax.train.run import train
 
-ARMS = ("baseline", "baseline_equal_flops", "midas", "gradstack")
-STACKED = ("midas", "gradstack")
-ABLATIONS = ("midas_zero_moments", "midas_rewarm", "gradstack_zero_moments", "gradstack_rewarm")
-LONGER_RATES = ("best", "config")
 Key = Tuple[int, str, float, int]  # (steps, arm, peak learning rate, seed)
-
-__all__ = ["ARMS", "STACKED", "StackingStudyConfig", "arm_config", "equal_flops_steps", "run_study"]
-
-
-@dataclasses.dataclass(frozen=True)
-class StackingStudyConfig:
-  """Which lengths, arms, rates and seeds `midas study stacking` trains, and how the cells are scored.
-
-  steps: training lengths (each >= 10 * the stage count); empty: TrainerConfig.num_steps alone.
-  evals_per_run: at a listed length, the eval cadence is the largest divisor of every stage boundary
-    giving at least this many evals (the baseline keeps a checkpoint at each, for matched_arms).
-  learning_rates: peak rates every arm trains at the shortest length (empty: OptimizerConfig's);
-    longer_rate: what longer lengths train each arm at, its own "best" rate at the shortest length (the
-    lowest mean final held-out loss over the seeds) or the "config"'s.
-  matched_arms: stacked arms whose final held-out loss the baseline is read at (its primitive scores
-    interpolated between the two bracketing eval checkpoints); () turns it off.
-  growth_window: steps either side of every growth recorded one by one (0: none).
-  The primitives are scored on `score_examples` held-out questions per task, `k_shot` solved examples
-  before each; `tasks` None scores every task of evals/primitives.py.
-  """
-
-  seeds: Tuple[int, ...] = (0, 1)
-  arms: Tuple[str, ...] = ARMS
-  k_shot: int = 5
-  score_examples: int = 500
-  tasks: Optional[Tuple[str, ...]] = None
-  eval_batch_size: int = 32
-  steps: Tuple[int, ...] = ()
-  evals_per_run: int = 10
-  learning_rates: Tuple[float, ...] = ()
-  longer_rate: str = "best"
-  matched_arms: Tuple[str, ...] = ()
-  growth_window: int = 0
-
-  def __post_init__(self):
-    s = "StackingStudyConfig."
-    for name in ("seeds", "arms", "steps", "learning_rates", "matched_arms"):
-      object.__setattr__(self, name, tuple(getattr(self, name)))  # gin hands over lists
-    if self.tasks is not None:
-      object.__setattr__(self, "tasks", tuple(self.tasks))
-    object.__setattr__(self, "learning_rates", tuple(float(r) for r in self.learning_rates))
-    require(len(self.seeds) >= 1 and len(set(self.seeds)) == len(self.seeds)
-            and all(isinstance(x, int) and x >= 0 for x in self.seeds), s + "seeds",
-            f"must be distinct non-negative ints, got {self.seeds}", "e.g. seeds = [0, 1] (two or more show a spread)")
-    require(len(self.arms) >= 1 and len(set(self.arms)) == len(self.arms), s + "arms",
-            f"{self.arms} are not distinct arm names", f"list some of {ARMS + ABLATIONS}")
-    specs = [parse_arm(a) for a in self.arms]
-    require("baseline_equal_flops" not in self.arms or any(a.stacked for a in specs), s + "arms",
-            "baseline_equal_flops is cut to a stacked arm's FLOPs, but no stacked arm is listed",
-            f"add one of {STACKED}")
-    for name in ("k_shot", "growth_window"):
-      require(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, s + name, "must be an int >= 0",
-              "k_shot 5 is the paper's setting; growth_window 0 records no steps around growth")
-    for name in ("score_examples", "eval_batch_size", "evals_per_run"):
-      require(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, s + name,
-              "must be a positive int", f"set {s}{name} >= 1 (500 questions give intervals of about +-0.04)")
-    require(len(set(self.steps)) == len(self.steps) and all(isinstance(t, int) and t >= 1 for t in self.steps),
-            s + "steps", f"must be distinct positive ints, got {self.steps}", "e.g. steps = [200, 800, 1600]")
-    require(len(set(self.learning_rates)) == len(self.learning_rates) and all(r > 0 for r in self.learning_rates),
-            s + "learning_rates", f"must be distinct positive rates, got {self.learning_rates}",
-            "e.g. learning_rates = [1e-3, 3e-3, 1e-2], or [] for OptimizerConfig.learning_rate")
-    require(self.longer_rate in LONGER_RATES, s + "longer_rate", f"unknown choice {self.longer_rate!r}",
-            f"use one of {LONGER_RATES}")
-    require(all(a in self.arms and parse_arm(a).stacked for a in self.matched_arms), s + "matched_arms",
-            f"{self.matched_arms} must be stacked arms of arms={self.arms}", "e.g. matched_arms = ['midas'], or []")
-    require(not self.matched_arms or "baseline" in self.arms, s + "matched_arms",
-            "the matched-loss readout reads the baseline, which arms does not list", "add 'baseline' to arms")
-
-  def lengths(self, run: RunConfig) -> Tuple[Optional[int], ...]:
-    """The lengths in order, shortest first; (None,) for the run config's own."""
-    return tuple(sorted(self.steps)) if self.steps else (None,)
-
-
-def arm_config(run: RunConfig, arm: str, seed: int, vocab_size: int, learning_rate: Optional[float] = None,
-               keep_every_eval: bool = False) -> RunConfig:
-  """The run config of one cell at the run config's own length (study_arms.arm_config)."""
-  return _arm_config(run, arm, seed, vocab_size, learning_rate, keep_every_eval)
 
 
 def check_run_config(run: RunConfig, study: Optional[StackingStudyConfig] = None) -> None:
@@ -197,16 +117,16 @@ def arm_run(run: RunConfig, arm: str, seed: int, learning_rate: Optional[float] 
             keep_every_eval: bool = False):
   """(the cell's run config, its (vocabulary, pipeline)): the data of the arm's own DataConfig.seed,
   whose held-out batches are the ones the train loop evaluates on."""
-  config = _arm_config(run, arm, seed, make_vocabulary(run.data).vocab_size, learning_rate, keep_every_eval)
+  config = arm_config(run, arm, seed, make_vocabulary(run.data).vocab_size, learning_rate, keep_every_eval)
   return config, load_data(config)
 
 
 def score_primitives(study: StackingStudyConfig, loaded) -> Dict[str, Any]:
-  """likelihood.py's scores per task of a loaded checkpoint."""
+  """primitive_scores.py's scores per task of a loaded checkpoint."""
   options = {"k_shot": study.k_shot, "score_examples": study.score_examples, "seed": 0,
              "tasks": list(study.tasks) if study.tasks else None, "batch_size": study.eval_batch_size}
   context_len = min(loaded.config.data.seq_len, loaded.model_config.max_seq_len)
-  scores = likelihood.evaluate(loaded.params, loaded.model_config, loaded.vocab, context_len, options)["tasks"]
+  scores = primitive_scores.evaluate(loaded.params, loaded.model_config, loaded.vocab, context_len, options)["tasks"]
   return {name: t["scores"] for name, t in scores.items()}
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from midas_jax import fs
 from midas_jax.compare import loss_at_flops
 from midas_jax.evals import figures
-from midas_jax.evals.likelihood import SCORES
+from midas_jax.evals.primitive_scores import SCORES
 from midas_jax.studies.study_arms import parse_arm
 
 FIGURES = "study"  # DIR/study/*.png
@@ -222,7 +222,7 @@ def _length_section(s: Dict[str, Any], study: Dict[str, Any], level: str) -> Lis
                         _f(max((v["loss"] for o, v in g["steps"]["by_offset"].items()
                                 if int(o) >= 0 and v["loss"] is not None), default=None), 4)] for g in probed])
   lines += ["", f"{level} Reasoning primitives", "",
-            f"Scores of evals/likelihood.py on {study['score_examples']} held-out questions per task, "
+            f"Scores of evals/primitive_scores.py on {study['score_examples']} held-out questions per task, "
             f"{study['k_shot']}-shot, on each run's final checkpoint; per arm the mean over seeds ± sd. "
             "`chance` is what a model with no skill scores (docs/evaluation.md#scores-that-move-early).", ""]
   arms = list(s["primitives"])

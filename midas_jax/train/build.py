@@ -22,7 +22,7 @@ from midas_jax import optimizer as optimizer_lib
 from midas_jax import console, sharding
 from midas_jax.configs import ModelConfig, RunConfig
 from midas_jax.data.factory import AnyPipeline, load_data
-from midas_jax.data.vocab import Vocabulary
+from midas_jax.data.vocab.vocabulary import Vocabulary
 from midas_jax.model import Decoder, dot_support, dummy_batch
 from midas_jax.train import step as step_lib
 from midas_jax.train_state import StateLayout, TrainState, create_train_state, state_layout
@@ -68,7 +68,7 @@ class StageBuild:
 
   def jit_train_step(self, unroll_microbatches: bool = False):
     """The jitted train step; unroll_microbatches unrolls its microbatch loop (for the compiler's
-    cost analysis, which counts a loop's body once: bench/cost_model.py)."""
+    cost analysis, which counts a loop's body once: analysis/cost_model.py)."""
     trainer = self.config.trainer
     step = step_lib.make_train_step(self.model, self.tx, self.lr_schedule, self.config.optimizer.z_loss,
                                     microbatches=trainer.microbatches, loss_chunk=trainer.loss_chunk,

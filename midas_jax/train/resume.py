@@ -25,7 +25,7 @@ import jax
 from midas_jax import fs, hosts
 from midas_jax.checkpoint import metadata as metadata_lib
 from midas_jax.checkpoint.damage import CorruptCheckpointError, LayoutMismatchError
-from midas_jax.checkpoint.export import load_model
+from midas_jax.checkpoint.load import load_model
 from midas_jax.console import say
 from midas_jax.errors import ConfigError, FaultError
 from midas_jax.train.checkpointer import Checkpointer

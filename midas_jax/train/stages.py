@@ -26,7 +26,7 @@ import jax
 
 from midas_jax.configs import ModelConfig, RunConfig
 from midas_jax.data.factory import AnyPipeline
-from midas_jax.data.vocab import Vocabulary
+from midas_jax.data.vocab.vocabulary import Vocabulary
 from midas_jax.stacking.grow import make_grower
 from midas_jax.stacking.schedule import StageSchedule, cumulative_flops, flop_speedup, layer_only_speedup_of
 from midas_jax.train.build import StageBuild, build_stage

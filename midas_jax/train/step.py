@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from midas_jax.data.objectives import OBJECTIVES
+from midas_jax.data.ul2.objectives import OBJECTIVES
 from midas_jax.model import Decoder
 from midas_jax.train import accumulate
 from midas_jax.train_state import TrainState

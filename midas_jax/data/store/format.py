@@ -39,10 +39,9 @@ from midas_jax.fs import ranges as fs_ranges
 FORMAT = "midas_jax.token_store"
 VERSION = 1
 MANIFEST = "manifest.json"
-SPLITS = ("train", "validation")
 INDEX_EVERY = 1024
 OFFSET_DTYPE = np.dtype("<i8")
-HOLDOUT_EVERY = 50  # sources.HOLDOUT_EVERY, recorded so that a store says how it split text
+HOLDOUT_EVERY = 50  # text_files.HOLDOUT_EVERY, recorded so that a store says how it split text
 _PACKAGES = ("midas_jax", "numpy", "apache-beam", "sentencepiece", "seqio", "tensorflow-datasets", "pyarrow")
 _FIX_DAMAGED = "run the same `midas data prepare` command again (it rewrites what is missing), or prepare anew"
 

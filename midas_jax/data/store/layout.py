@@ -2,7 +2,7 @@
 
 The split's documents, one after another, are a stream of T tokens. An epoch cuts it into windows
 that tile it exactly, each window one row, so every token (every document, whole or in consecutive
-pieces) is trained on once per epoch. Each row has one objective of the mixture; the windows come in
+pieces) is trained on once per epoch. Each row has one objective of the mix; the windows come in
 a fixed cycle of C slots holding each objective in proportion to its rate (0.6 / 0.2 / 0.2: 3
 causal, 1 prefix, 1 span slot), and a window's size is its objective's: the most raw tokens whose
 examples still fit seq_len (span corruption adds sentinels, a mode token adds one per example). So
@@ -22,8 +22,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from midas_jax.data import streams
 from midas_jax.data.store import permutation
+from midas_jax.data.ul2 import streams
 
 _MAX_CYCLE = 1000
 # A document boundary inside a window may cost, beyond its objective's per-token rate, one mode
@@ -32,7 +32,7 @@ _CUT_COST_SPAN = 4
 
 
 def cycle(probabilities: Sequence[float]) -> np.ndarray:
-  """Mixture entries in one cycle of slots, each as often as its probability says: the smallest
+  """Objective entries in one cycle of slots, each as often as its probability says: the smallest
   cycle that holds them exactly (up to 1000 slots), else 1000 slots by largest remainder."""
   p = np.asarray(probabilities, np.float64)
   for size in range(1, _MAX_CYCLE + 1):
@@ -68,14 +68,14 @@ def window_size(seq_len: int, lengths: np.ndarray, chunk: int, cut_cost: int, cu
 
 @dataclasses.dataclass(frozen=True)
 class Windows:
-  """Rows' windows: the mixture entry, the first stream position (in [0, T)) and the length."""
+  """Rows' windows: the objective entry, the first stream position (in [0, T)) and the length."""
   entry: np.ndarray
   start: np.ndarray
   length: np.ndarray
 
 
 class EpochLayout:
-  """The windows of one split (tokens T, documents N) under a mixture and a seed."""
+  """The windows of one split (tokens T, documents N) under an objective mix and a seed."""
 
   def __init__(self, seq_len: int, entries: Sequence, lengths: np.ndarray, chunks: Sequence[int],
                tokens: int, documents: int, key: np.ndarray, use_mode_tokens: bool):

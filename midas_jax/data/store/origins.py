@@ -1,9 +1,9 @@
 """What a prepare reads: the run's source (DataConfig.origin) cut into parts that workers read alone.
 
   builtin   one part per split: the generated corpus
-  text      one part per file (train_files, eval_files; .txt/.jsonl/.gz/.parquet, data/sources.py
+  text      one part per file (train_files, eval_files; .txt/.jsonl/.gz/.parquet, data/sources/text_files.py
             reads them, as the in-memory path does). Without eval_files every 50th training
-            document goes to validation, numbered across files as data/sources.py numbers them: a
+            document goes to validation, numbered across files as data/sources/text_files.py numbers them: a
             part then needs the document counts of the files before it (`count`).
   tfds      a TFDS data set (tfds_name, in tfds_data_dir): each split cut into contiguous slices of
             examples ("train[0:356321]", ...), one per file of the split unless --num_shards says
@@ -23,7 +23,8 @@ from typing import Iterator, List, Optional, Tuple
 import numpy as np
 
 from midas_jax.configs import DataConfig
-from midas_jax.data import corpus, seqio_source, sources
+from midas_jax.data.sources import corpus, seqio_reader, text_files
+from midas_jax.data.sources.splits import SPLITS
 from midas_jax.data.store import format as store_format
 from midas_jax.errors import ConfigError, require
 
@@ -49,17 +50,17 @@ def plan(config: DataConfig, num_shards: int = 0) -> List[Part]:
   require(num_shards >= 0, "--num_shards", f"must be >= 0, got {num_shards}", "0 takes the source's own sharding")
   refs: List[Tuple[str, str, bool, int]] = []
   if kind == "builtin":
-    refs = [(split, split, False, 1) for split in store_format.SPLITS]
+    refs = [(split, split, False, 1) for split in SPLITS]
   elif kind == "text":
     holdout = not config.eval_files
-    refs = [("train", path, holdout, 1) for path in sources.resolve_files(config.train_files, "DataConfig.train_files")]
+    refs = [("train", path, holdout, 1) for path in text_files.resolve_files(config.train_files, "DataConfig.train_files")]
     if config.eval_files:
       refs += [("validation", path, False, 1)
-               for path in sources.resolve_files(config.eval_files, "DataConfig.eval_files")]
+               for path in text_files.resolve_files(config.eval_files, "DataConfig.eval_files")]
   elif kind == "tfds":
-    refs = [(split, spec, False, 1) for split in store_format.SPLITS for spec in _tfds_slices(config, split, num_shards)]
+    refs = [(split, spec, False, 1) for split in SPLITS for spec in _tfds_slices(config, split, num_shards)]
   elif kind == "seqio":
-    for split in store_format.SPLITS:
+    for split in SPLITS:
       count = num_shards or _seqio_shards(config, split)
       refs += [(split, str(i), False, count) for i in range(count)]
   else:
@@ -69,7 +70,7 @@ def plan(config: DataConfig, num_shards: int = 0) -> List[Part]:
 
 def count(part: Part, config: DataConfig) -> int:
   """The documents a text part reads (for the holdout numbering of the parts after it)."""
-  return sum(1 for _ in sources.iter_file_documents(part.ref, _setting(part), config.jsonl_field))
+  return sum(1 for _ in text_files.iter_file_documents(part.ref, _setting(part), config.jsonl_field))
 
 
 def token_documents(part: Part, config: DataConfig, vocab, first_index: int = 0
@@ -79,12 +80,12 @@ def token_documents(part: Part, config: DataConfig, vocab, first_index: int = 0
   first_index: the number of documents of the text parts before this one (holdout numbering).
   """
   if part.kind == "seqio":
-    for doc in seqio_source.task_documents(config, part.split, vocab, (int(part.ref), part.shards)):
+    for doc in seqio_reader.task_documents(config, part.split, vocab, (int(part.ref), part.shards)):
       yield part.split, doc
     return
   eos = [vocab.eos_id]
   for i, text in enumerate(_texts(part, config), start=first_index):
-    split = "validation" if part.holdout and (i + 1) % sources.HOLDOUT_EVERY == 0 else part.split
+    split = "validation" if part.holdout and (i + 1) % text_files.HOLDOUT_EVERY == 0 else part.split
     yield split, np.asarray(vocab.encode(text) + eos, np.int32)
 
 
@@ -96,16 +97,16 @@ def _texts(part: Part, config: DataConfig) -> Iterator[str]:
   if part.kind == "builtin":
     return (d.text for d in corpus.documents(part.ref, config.corpus_seed, config.corpus_holdout))
   if part.kind == "text":
-    return sources.iter_file_documents(part.ref, _setting(part), config.jsonl_field)
+    return text_files.iter_file_documents(part.ref, _setting(part), config.jsonl_field)
   if part.kind == "tfds":
     return _tfds_texts(config, part.ref)
   raise ValueError(f"unknown part kind {part.kind!r}")
 
 
 def _seqio_shards(config: DataConfig, split: str) -> int:
-  seqio = seqio_source.import_seqio()
-  task = seqio_source.get_task(seqio, config.seqio_task)
-  return max(1, len(task.source.list_shards(seqio_source.task_split(config, split))))
+  seqio = seqio_reader.import_seqio()
+  task = seqio_reader.get_task(seqio, config.seqio_task)
+  return max(1, len(task.source.list_shards(seqio_reader.task_split(config, split))))
 
 
 # ----------------------------------------------------------------------------- TFDS

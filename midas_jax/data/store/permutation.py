@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from midas_jax.data import streams
+from midas_jax.data.ul2 import streams
 
 ROUNDS = 4  # Luby & Rackoff: 4 rounds of a pseudo-random function make a strong pseudo-random permutation
 

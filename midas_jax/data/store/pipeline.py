@@ -6,7 +6,7 @@ row), so each process builds only its own rows and a resume needs no iterator st
 epoch every document is read once, whole or as consecutive pieces (a window boundary or a chunk
 cut splits it), and none twice.
 
-A row holds one objective of the mixture (its window's, layout.py). Each document piece in the
+A row holds one objective of the mix (its window's, layout.py). Each document piece in the
 window is one example of it: causal LM; prefix LM split uniformly; span corruption with T5's counts
 (pieces longer than num_sentinels spans allow are cut into consecutive chunks first). The windows
 are sized so that the examples fit seq_len; in the rare row where document boundaries cost more
@@ -23,14 +23,14 @@ import numpy as np
 
 from midas_jax import fs
 from midas_jax.configs import DataConfig, ObjectivesConfig
-from midas_jax.data import objectives, streams
-from midas_jax.data.packing import pack_rows
-from midas_jax.data.pipeline import (CAUSAL_ID, PREFIX_ID, SPAN_ID, SPLITS, example_tables, mixture,
-                                     place_examples)
+from midas_jax.data.sources.splits import SPLITS
 from midas_jax.data.store import format as store_format
 from midas_jax.data.store.layout import EpochLayout
 from midas_jax.data.store.read_ahead import ReadAhead
 from midas_jax.data.store.reader import SplitReader
+from midas_jax.data.ul2 import objectives, streams
+from midas_jax.data.ul2.packing import pack_rows
+from midas_jax.data.ul2.rows import CAUSAL_ID, PREFIX_ID, SPAN_ID, example_tables, objective_mix, place_examples
 from midas_jax.errors import require
 
 _LAYOUT_STREAMS, _DRAW_STREAMS = 16, 24  # stream ids, apart from the in-memory pipeline's (0, 1)
@@ -49,17 +49,17 @@ class PreparedPipeline:
     self.config, self.mix, self.store, self.manifest = config, mix, store, manifest
     self.special = objectives.vocabulary_special_tokens(vocab, mix.num_sentinels)
     self._vocabulary, self._bos_id = vocab.special_ids(), vocab.start_id
-    self.entries = mixture(mix)
+    self.entries = objective_mix(mix)
     tables = example_tables(config.seq_len, mix, self.entries, self.special)
     self._table = {k: v.ravel() for k, v in tables.items()}
     self._chunk = np.asarray([self._chunk_size(tables, i) for i in range(len(self.entries))], np.int64)
     self._sentinel_ids = np.asarray(self.special.sentinel_ids, np.int32)
     dtype = np.dtype(manifest["dtype"])
-    store_format.check_shards(store, manifest, tuple(SPLITS))
+    store_format.check_shards(store, manifest, SPLITS)
     self.readers: Dict[str, SplitReader] = {}
     self.layouts: Dict[str, EpochLayout] = {}
     self._keys: Dict[str, np.ndarray] = {}
-    for split, index in SPLITS.items():
+    for index, split in enumerate(SPLITS):
       reader = SplitReader(store, store_format.split_shards(manifest, split, store), dtype, config.read_threads)
       self.readers[split] = reader
       self.layouts[split] = EpochLayout(config.seq_len, self.entries, tables["length"], self._chunk, reader.tokens,
@@ -98,7 +98,7 @@ class PreparedPipeline:
   # ----------------------------------------------------------------------------- rows
 
   def _rows(self, split: str, rows: np.ndarray, read) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
-    """Rows `rows` (global indices) in the packing.py format, and per example its (document, start,
+    """Rows `rows` (global indices) in the ul2/packing.py format, and per example its (document, start,
     length) in the store; `read`: what _read(split, rows) returns."""
     s, table, key = self.config.seq_len, self._table, self._keys[split]
     windows, row, doc, first, size, raw = read
@@ -177,7 +177,7 @@ class PreparedPipeline:
     return {"epoch": steps * self.config.batch_size / self.layouts["train"].rows}
 
   def describe(self) -> Dict[str, object]:
-    """The mixture, the pinned special-token ids and the store, for config files and checkpoints."""
+    """The objective mix, the pinned special-token ids and the store, for config files and checkpoints."""
     return {"objectives": [dict(e.denoiser.to_json(), probability=e.probability) for e in self.entries],
             "special_tokens": self.special.to_json(), "mode_tokens": self.mix.mode_tokens,
             "vocabulary": self._vocabulary,

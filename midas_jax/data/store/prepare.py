@@ -26,9 +26,10 @@ import numpy as np
 
 from midas_jax import fs
 from midas_jax.configs import DataConfig
+from midas_jax.data.sources.splits import SPLITS
 from midas_jax.data.store import format as store_format
 from midas_jax.data.store import origins, writer
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.errors import ConfigError, require
 
 DIRECT_RUNNERS = ("DirectRunner", "direct")
@@ -113,7 +114,7 @@ def finish(plan: Plan) -> Dict[str, object]:
   missing = [p.index for p, r in zip(plan.parts, records) if r is None]
   require(not missing, "--out", f"parts {missing[:8]} of {len(plan.parts)} were not written",
           "run the same command again to finish the prepare")
-  for split in store_format.SPLITS:
+  for split in SPLITS:
     documents = sum(r["shards"][split]["documents"] for r in records if split in r["shards"])
     held_out = plan.config.origin == "text" and not plan.config.eval_files
     require(documents > 0, "DataConfig.eval_files" if split == "validation" else "DataConfig.prepared_from",

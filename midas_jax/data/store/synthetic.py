@@ -12,7 +12,7 @@ from typing import Dict, Iterator, Tuple
 import numpy as np
 
 from midas_jax.data.store import writer
-from midas_jax.data.vocab import EOS_ID, NUM_SPECIAL
+from midas_jax.data.vocab.vocabulary import EOS_ID, NUM_SPECIAL
 
 _CHUNK = 1 << 16  # documents generated at a time
 

@@ -19,6 +19,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 
 from midas_jax import fs
+from midas_jax.data.sources.splits import SPLITS
 from midas_jax.data.store import format as store_format
 from midas_jax.errors import ConfigError
 
@@ -161,7 +162,7 @@ def write_manifest(store: str, records: List[Dict[str, object]], header: Dict[st
     missing = sorted(set(range(header["parts"])) - set(parts))
     raise RuntimeError(f"parts {missing[:10]} of {header['parts']} have no record; the prepare is incomplete")
   splits = {}
-  for split in store_format.SPLITS:
+  for split in SPLITS:
     shards = [r["shards"][split] for r in records if split in r["shards"] and r["shards"][split]["documents"]]
     splits[split] = {"documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
                      "shards": shards}

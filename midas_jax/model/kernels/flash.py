@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from midas_jax.errors import require
 from midas_jax.model.kernels import block_tables as tables_lib
 from midas_jax.model.kernels import flash_kernels, flash_triton
+from midas_jax.padding import round_up
 
 # Default block sizes per backend. On TPU, 512-token blocks keep the MXU busy per step (and the
 # per-step overhead small) while one block of each operand stays far below VMEM; smaller blocks
@@ -66,16 +67,12 @@ def block_sizes(backend: str, length: int, block_q: int = 0, block_kv: int = 0) 
   """The (query, key) block sizes a backend ("tpu", "gpu", "interpret") uses for `length` tokens:
   the setting (0: DEFAULT_BLOCKS) rounded up to the backend's tile, capped by the padded length."""
   multiple = BLOCK_MULTIPLE[backend]
-  cap = _round_up(length, multiple)
-  return tuple(min(_round_up(value or DEFAULT_BLOCKS[backend], multiple), cap) for value in (block_q, block_kv))
+  cap = round_up(length, multiple)
+  return tuple(min(round_up(value or DEFAULT_BLOCKS[backend], multiple), cap) for value in (block_q, block_kv))
 
 
 def padded_length(length: int, block_q: int, block_kv: int) -> int:
-  return _round_up(length, math.lcm(block_q, block_kv))
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
+  return round_up(length, math.lcm(block_q, block_kv))
 
 
 def _pad_length(x, padded: int, axis: int = 1):
@@ -196,7 +193,7 @@ def cost_estimate(kernel: str, batch: int, heads: int, kv_heads: int, length: in
   """What one kernel costs XLA's cost model, which otherwise prices a custom call at nothing: the FLOPs,
   exponentials and HBM bytes of the blocks a causal mask visits. A causal mask is the most UL2 rows
   need (prefixes see within the causal triangle's blocks; packed segments skip more), so this is the
-  upper bound of the data-dependent count (bench/cost_model.py prices steps with it)."""
+  upper bound of the data-dependent count (analysis/cost_model.py prices steps with it)."""
   pairs = batch * heads * causal_block_pairs(length, block_q, block_kv)
   per_pair = block_q * block_kv
   streamed_block = {"forward": 2 * block_kv, "dq": 2 * block_kv, "dkv": 2 * block_q}[kernel]  # re-read per pair

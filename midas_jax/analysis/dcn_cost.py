@@ -1,12 +1,12 @@
 """What a multi-slice step sends over the data-center network, and how long that takes at its bandwidth.
 
 Slices of a multi-slice run are joined by the data-center network (DCN), not by the chips' own links:
-a collective across slices is lowered to `send`s to the megascale runtime (bench/hlo_loops.py reads
+a collective across slices is lowered to `send`s to the megascale runtime (hlo_loops.py reads
 them). XLA's cost model prices those transfers as if they moved at on-chip speed (4 MB a chip across
 two v5p-8 slices priced at 10.5 us, about 60 times faster than the v5p's 50 Gbps of DCN per chip), so
-the step's price (bench/cost_model.py) leaves the network out. This module counts the bytes each chip
+the step's price (cost_model.py) leaves the network out. This module counts the bytes each chip
 sends across slices per step, from the optimized program, and divides them by the generation's DCN
-bandwidth per chip.
+bandwidth per chip (hardware.py).
 
 Bytes a chip sends for one transfer of `payload` bytes among n slices (bandwidth-optimal algorithms):
 all-reduce 2(n-1)/n x payload (reduce-scatter, then all-gather, of the payload); all-gather (n-1) x
@@ -18,11 +18,8 @@ from __future__ import annotations
 import re
 from typing import Dict, Optional
 
-from midas_jax.bench import hlo_loops
-
-# Data-center network bandwidth per chip, bytes/s (Cloud TPU's system architecture pages: v5p "DCN
-# bandwidth per chip 50 Gbps"; v5e two 100 Gbps NICs per 8-chip host). Generations not listed get no DCN time.
-DCN_BYTES_PER_S = {"v5p": 50e9 / 8, "v5e": 2 * 100e9 / 8 / 8}
+from midas_jax import hardware
+from midas_jax.analysis import hlo_loops
 
 _SEND_PAYLOAD = re.compile(r"=\s*\((?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
@@ -61,19 +58,9 @@ def bytes_sent(hlo_text: str, slices: int) -> Dict[str, float]:
   return out
 
 
-def generation(device_kind: str) -> Optional[str]:
-  """'v5p', 'v5e' or None, from a TPU device_kind ('TPU v5', 'TPU v5 lite', ...)."""
-  kind = device_kind.lower().replace(" ", "").replace("-", "")
-  if "v5lite" in kind or "v5e" in kind:
-    return "v5e"
-  if "v5" in kind:
-    return "v5p"
-  return None
-
-
 def seconds(hlo_text: str, slices: int, device_kind: str) -> Dict[str, Optional[float]]:
   """{'dcn_bytes': bytes one chip sends across slices a call, 'dcn_seconds': those at the generation's DCN
   bandwidth per chip (None where the generation's bandwidth is not known)}; both 0 on one slice."""
   sent = sum(bytes_sent(hlo_text, slices).values())
-  bandwidth = DCN_BYTES_PER_S.get(generation(device_kind) or "")
+  bandwidth = hardware.dcn_bytes_per_s(device_kind)
   return {"dcn_bytes": sent, "dcn_seconds": sent / bandwidth if bandwidth else (0.0 if not sent else None)}

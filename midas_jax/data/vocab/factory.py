@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from midas_jax.configs import DataConfig
-from midas_jax.data.tokenizers_vocab import TokenizersVocabulary
-from midas_jax.data.vocab import ByteVocabulary, SentencePieceVocabulary, Vocabulary, check_extra_ids
+from midas_jax.data.vocab.tokenizer_json import TokenizersVocabulary
+from midas_jax.data.vocab.vocabulary import ByteVocabulary, SentencePieceVocabulary, Vocabulary, check_extra_ids
 
 
 def make_vocabulary(config: DataConfig) -> Vocabulary:

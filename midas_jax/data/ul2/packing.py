@@ -4,7 +4,7 @@ An example is a token sequence with a bidirectional prefix of `prefix_len` token
 LM) and an objective id. A row packs several examples; per token it carries
 
   inputs         the example shifted right by one, BOS first (0, seqio's decoder start, unless the
-                 vocabulary has a token of its own for it: data/vocab.py start_id)
+                 vocabulary has a token of its own for it: data/vocab/vocabulary.py start_id)
   targets        the example's tokens: targets[i] is predicted from inputs[: i + 1]
   positions      0, 1, ... within each example
   segment_ids    1, 2, ... per example; 0 marks padding

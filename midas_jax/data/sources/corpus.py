@@ -49,10 +49,10 @@ import zlib
 from typing import Callable, Dict, List, Mapping, NamedTuple, Set, Tuple
 
 from midas_jax import fs
+from midas_jax.data.sources.splits import SPLITS
 
-SPLITS = ("train", "validation")
 SIZES = {"train": 20_000, "validation": 1_000}
-MIXTURE = (("facts", 0.30), ("story", 0.25), ("arithmetic", 0.15), ("assignment", 0.15),
+KIND_SHARES = (("facts", 0.30), ("story", 0.25), ("arithmetic", 0.15), ("assignment", 0.15),
            ("copy", 0.15))
 NUM_ENTITIES = 300
 HOLD_OUT_MODULUS = 10  # one prompt in ten is held out of the training split
@@ -365,10 +365,10 @@ _GENERATORS: Dict[str, Callable[[random.Random, World, str], str]] = {
 # Splits
 
 def kind_counts(split: str) -> Dict[str, int]:
-  """Exact number of documents of each kind in `split` (largest-remainder rounding of MIXTURE)."""
+  """Exact number of documents of each kind in `split` (largest-remainder rounding of KIND_SHARES)."""
   total = SIZES[split]
-  counts = {k: int(p * total) for k, p in MIXTURE}
-  by_remainder = sorted(MIXTURE, key=lambda kp: -(kp[1] * total - int(kp[1] * total)))
+  counts = {k: int(p * total) for k, p in KIND_SHARES}
+  by_remainder = sorted(KIND_SHARES, key=lambda kp: -(kp[1] * total - int(kp[1] * total)))
   for k, _ in by_remainder[:total - sum(counts.values())]:
     counts[k] += 1
   return counts

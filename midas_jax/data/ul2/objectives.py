@@ -36,8 +36,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
-from midas_jax.data import streams
-from midas_jax.data.packing import Example
+from midas_jax.data.ul2 import streams
+from midas_jax.data.ul2.packing import Example
 from midas_jax.errors import ConfigError
 
 # An example's objective (its denoiser's kind). OBJECTIVES[i] is objective id i in every row
@@ -311,7 +311,7 @@ class Denoiser:
 
 
 def default_ul2_denoisers() -> Tuple[Denoiser, ...]:
-  """The UL2 paper's mixture (Tay et al. 2022, section 3.1.2): R, X and S denoisers."""
+  """The UL2 paper's objective mix (Tay et al. 2022, section 3.1.2): R, X and S denoisers."""
   def span(group, mu, r, mode):
     return Denoiser(f"{group}_mu{mu:g}_r{r:g}", "span", float(mu), r, mode)
   return (span("R", 3, 0.15, "[NLU]"), span("R", 8, 0.15, "[NLU]"),
@@ -349,7 +349,7 @@ def special_tokens(vocab_size: int, extra_ids: int, num_sentinels: int = 100, mo
   own: the tokenizer's own tokens by name ("<extra_id_3>", "[NLU]"), which keep their ids; the
   others take the extra ids counting down from the top, in that order (with no own tokens: the rule
   above). reserved: the extra ids at the bottom that the vocabulary took for a pad or eos it lacked
-  (data/vocab.py), which the others must not reach.
+  (data/vocab/vocabulary.py), which the others must not reach.
   """
   own = own or {}
   names = [f"<extra_id_{k}>" for k in range(num_sentinels)] + list(modes)
@@ -365,7 +365,7 @@ def special_tokens(vocab_size: int, extra_ids: int, num_sentinels: int = 100, mo
 
 
 def vocabulary_special_tokens(vocab, num_sentinels: int = 100, modes: Sequence[str] = MODES) -> SpecialTokens:
-  """special_tokens for a vocabulary (data/vocab.py): its own sentinel and mode tokens where it has
+  """special_tokens for a vocabulary (data/vocab/vocabulary.py): its own sentinel and mode tokens where it has
   them, the top extra ids otherwise."""
   names = [f"<extra_id_{k}>" for k in range(num_sentinels)] + list(modes)
   own = {n: i for n in names if (i := vocab.own_token_id(n)) is not None}

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_model
-from midas_jax.data.vocab import ByteVocabulary
-from midas_jax.evals import decoding, likelihood, primitives, scoring
+from midas_jax.data.vocab.vocabulary import ByteVocabulary
+from midas_jax.evals import continuations, decoding, primitive_scores, primitives, scoring
 from midas_jax.model import Decoder, dummy_batch
 
 VOCAB = ByteVocabulary()
@@ -64,7 +64,7 @@ def test_teacher_forced_logprobs_match_an_unpadded_forward(random_model):
   cfg, params = random_model
   rows = [(VOCAB.encode(p), VOCAB.encode(a)) for p, a in
           [("a=1; print a ->", " 1"), ("x", " yz"), ("k3#q | copy:", " k3#q"), ("long " * 14, " 7")]]
-  got = likelihood.continuation_logprobs(params, cfg, rows, max_length=128, batch_size=2)
+  got = continuations.logprobs(params, cfg, rows, max_length=128, batch_size=2)
   for (context, continuation), lp in zip(rows, got):
     assert lp.shape == (len(continuation) + 1, cfg.vocab_size)
     np.testing.assert_allclose(lp, reference_logprobs(cfg, params, context, continuation), atol=2e-4)
@@ -73,15 +73,15 @@ def test_teacher_forced_logprobs_match_an_unpadded_forward(random_model):
 @pytest.mark.parametrize("task", ["assignment_depth1", "psm", "copying"])
 def test_one_row_scores_every_covered_candidate_as_its_own_row_would(random_model, task):
   cfg, params = random_model
-  questions = likelihood.build_questions(task, 4, 1, 0, VOCAB, 128)
-  rows = likelihood.plan_rows(questions)
-  logps = likelihood.continuation_logprobs(params, cfg, rows, 128)
+  questions = primitive_scores.build_questions(task, 4, 1, 0, VOCAB, 128)
+  rows = primitive_scores.plan_rows(questions)
+  logps = continuations.logprobs(params, cfg, rows, 128)
   if task == "assignment_depth1":
     assert len(rows) == len(questions)  # digits differ only in their last token: one row each
   if task == "copying":
     assert len(rows) == 3 * len(questions)
   for q in questions:
-    scores = likelihood.score_question(q, logps, rows, decoding.stop_token_ids(VOCAB))
+    scores = primitive_scores.score_question(q, logps, rows, decoding.stop_token_ids(VOCAB))
     for cand, total in zip(q.candidates, scores["candidate_logprobs"]):
       lp = reference_logprobs(cfg, params, q.context, cand)
       assert total == pytest.approx(sum(lp[j, t] for j, t in enumerate(cand)), abs=1e-3)
@@ -101,13 +101,14 @@ def test_strict_exact_match_is_greedy_decoding_writing_the_answer_and_ending_the
     for k in range(1, len(complete) + 1):
       answer = complete[:k]
       wrong = answer[:-1] + [(answer[-1] + 1) % 256]
-      cases.append((likelihood.Question(primitives.Example("p", "a"), prompt, [answer, wrong]),
+      question = primitives.Question("p", "a")
+      cases.append((primitive_scores.TokenizedQuestion(question, prompt, [answer, wrong]),
                     float(ended and k == len(complete)), k))  # the line ends right after the answer
-      cases.append((likelihood.Question(primitives.Example("p", "a"), prompt, [wrong, answer]), None, k))
-  rows = likelihood.plan_rows([q for q, _, _ in cases])
-  logps = likelihood.continuation_logprobs(params, cfg, rows, 64)
+      cases.append((primitive_scores.TokenizedQuestion(question, prompt, [wrong, answer]), None, k))
+  rows = primitive_scores.plan_rows([q for q, _, _ in cases])
+  logps = continuations.logprobs(params, cfg, rows, 64)
   for q, expected, k in cases:
-    scores = likelihood.score_question(q, logps, rows, stop)
+    scores = primitive_scores.score_question(q, logps, rows, stop)
     if expected is None:  # the wrong answer first
       assert scores["exact_match"] == 0.0 and scores["forced_choice"] == 0.0
       assert scores["token_accuracy"] == pytest.approx((k - 1) / k)
@@ -117,8 +118,9 @@ def test_strict_exact_match_is_greedy_decoding_writing_the_answer_and_ending_the
 
 
 def test_chance_levels_and_intervals_on_hand_made_cases():
-  assert likelihood.guesser_token_accuracy([[1, 2], [1, 3], [1, 4]]) == pytest.approx((1 + 1 / 3) / 2)
-  assert likelihood.guesser_token_accuracy([[1, 2, 5], [1, 2, 6], [9, 9, 9]]) == pytest.approx((2 / 3 + 1 + 0.5) / 3)
+  assert primitive_scores.guesser_token_accuracy([[1, 2], [1, 3], [1, 4]]) == pytest.approx((1 + 1 / 3) / 2)
+  assert (primitive_scores.guesser_token_accuracy([[1, 2, 5], [1, 2, 6], [9, 9, 9]])
+          == pytest.approx((2 / 3 + 1 + 0.5) / 3))
   lo, hi = scoring.wilson_interval(0, 10)
   assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
   lo, hi = scoring.wilson_interval(50, 100)
@@ -126,10 +128,11 @@ def test_chance_levels_and_intervals_on_hand_made_cases():
   mean, lo, hi = scoring.mean_interval([1.0, 2.0, 3.0, 4.0])
   half = 1.959964 * math.sqrt(5 / 3) / 2
   assert (mean, lo, hi) == (2.5, pytest.approx(2.5 - half), pytest.approx(2.5 + half))
-  examples = [primitives.Example("x", " 5", {"task": "assignment_depth0", "query": "a=5; b=1; c=2; print a ->"})] * 4
-  questions = [likelihood.Question(e, [1], [VOCAB.encode(c) for c in primitives.candidates(e)]) for e in examples]
+  examples = [primitives.Question("x", " 5", {"task": "assignment_depth0", "query": "a=5; b=1; c=2; print a ->"})] * 4
+  questions = [primitive_scores.TokenizedQuestion(e, [1], [VOCAB.encode(c) for c in primitives.candidates(e)])
+               for e in examples]
   per_question = [{"log_likelihood": -1.0, "forced_choice": 1.0, "token_accuracy": 0.5, "exact_match": 0.0}] * 4
-  summary = likelihood.summarize_task(per_question, questions)["scores"]
+  summary = primitive_scores.summarize_task(per_question, questions)["scores"]
   assert summary["forced_choice"]["chance"] == pytest.approx(1 / 3)
   assert summary["log_likelihood"]["chance"] == pytest.approx(math.log(1 / 3) / 2)  # " 5" is two bytes
   assert summary["token_accuracy"]["chance"] == pytest.approx((1 + 1 / 3) / 2)

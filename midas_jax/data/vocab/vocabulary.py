@@ -8,8 +8,8 @@ TensorFlow).
 
 A tokenizer trained elsewhere keeps its ids: a SentencePiece model with another special-id layout
 (Llama's unk 0 / bos 1 / eos 2) or any `tokenizer.json` (TokenizersVocabulary, in
-data/tokenizers_vocab.py). The objectives need an EOS, a pad, sentinels and mode tokens
-(data/objectives.py): each is the tokenizer's own where it has one, else an id appended above its
+data/vocab/tokenizer_json.py). The objectives need an EOS, a pad, sentinels and mode tokens
+(data/ul2/objectives.py): each is the tokenizer's own where it has one, else an id appended above its
 vocabulary: a missing pad or eos takes the first extra ids, sentinels and mode tokens count down
 from the top as in seqio's layout. So vocab_size = the tokenizer's ids + extra_ids, which the model's
 (padded) vocab_size must hold; `special_ids()` is recorded in run configs and checkpoints, and
@@ -73,7 +73,7 @@ class Vocabulary:
 
   @property
   def reserved_extra_ids(self) -> int:
-    """Extra ids at the bottom taken by a pad or eos the tokenizer lacks (data/objectives.py)."""
+    """Extra ids at the bottom taken by a pad or eos the tokenizer lacks (data/ul2/objectives.py)."""
     return len(self._appended)
 
   def extra_id(self, i: int) -> int:
@@ -107,7 +107,7 @@ class Vocabulary:
     return names
 
   def special_ids(self) -> Dict[str, object]:
-    """What the ids mean, for config files and checkpoint metadata (sentinels: data/objectives.py)."""
+    """What the ids mean, for config files and checkpoint metadata (sentinels: data/ul2/objectives.py)."""
     return {"kind": self.kind, "vocab_size": self.vocab_size, "base_size": self._base_size,
             "extra_ids": self._extra_ids, "pad_id": self.pad_id, "eos_id": self.eos_id, "unk_id": self.unk_id,
             "bos_id": self.bos_id, "start_id": self.start_id,
@@ -208,7 +208,7 @@ class SentencePieceVocabulary(Vocabulary):
     check_extra_ids(extra_ids)
     model_file = fs.check(model_file, "DataConfig.spm_model")
     require(fs.isfile(model_file), "DataConfig.spm_model", f"no model file at {model_file!r}",
-            "fix the path, or train one with midas_jax.data.vocab.train_sentencepiece")
+            "fix the path, or train one with midas_jax.data.vocab.vocabulary.train_sentencepiece")
     self._model_bytes = fs.read_bytes(model_file)
     self._processor = p = sentencepiece.SentencePieceProcessor()
     try:

@@ -40,10 +40,10 @@ import numpy as np
 
 from midas_jax import fs
 from midas_jax.configs import DataConfig
-from midas_jax.data.vocabularies import make_vocabulary
+from midas_jax.data.sources.splits import SPLITS
+from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.errors import ConfigError, require
 
-SPLITS = ("train", "validation")
 # Letters, digits, punctuation, repeated spaces, a newline and non-ASCII text: two vocabularies
 # that agree here almost surely are the same one.
 PROBE = "The quick brown fox, 42 + 7 = 49.\n  Über naïve café; 東京 🙂 <tag> a_b"

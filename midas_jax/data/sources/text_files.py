@@ -27,7 +27,8 @@ from typing import IO, Iterator, List, Sequence
 
 from midas_jax import fs
 from midas_jax.configs import DataConfig
-from midas_jax.data import corpus
+from midas_jax.data.sources import corpus
+from midas_jax.data.sources.splits import SPLITS
 from midas_jax.errors import ConfigError, require
 
 HOLDOUT_EVERY = 50
@@ -37,8 +38,8 @@ _PARQUET_BATCH = 1024
 
 def load_documents(config: DataConfig, split: str) -> List[str]:
   """The texts of `split` ("train" or "validation") from the configured source."""
-  if split not in corpus.SPLITS:
-    raise ValueError(f"unknown split {split!r}; use one of {corpus.SPLITS}")
+  if split not in SPLITS:
+    raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
   if config.source == "builtin":
     return [d.text for d in corpus.documents(split, config.corpus_seed, config.corpus_holdout)]
   if split == "validation" and config.eval_files:

@@ -23,7 +23,7 @@ compiler adds for its cross-slice collectives, the slice's own index (SliceId) a
 fused cross-slice all-reduce's buffer (ZeroCrop), -1 s each where each is a scalar or a few KiB of work;
 price() counts them at 0 (UNPRICED_CALLS). A negative price is still reported as unpriced, never as a time.
 
-What the cost model prices far too cheaply is the data-center network between slices (bench/dcn_cost.py):
+What the cost model prices far too cheaply is the data-center network between slices (dcn_cost.py):
 the prediction adds the bytes each chip sends across slices at the network's bandwidth, as a bound of its
 own (the step takes at least the longer of the two) and as the step without overlap (their sum).
 """
@@ -34,10 +34,9 @@ import dataclasses
 import re
 from typing import Any, Dict, Optional, Sequence
 
-from midas_jax import flops
-from midas_jax.bench import dcn_cost
+from midas_jax import flops, hardware
+from midas_jax.analysis import dcn_cost
 from midas_jax.configs import RunConfig
-from midas_jax.device_peak import known_peak_flops
 
 PRICED = ("optimal_seconds", "flops", "bytes accessed")
 
@@ -52,7 +51,7 @@ _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 def price(compiled, slices: int = 1) -> Dict[str, float]:
   """The cost model's totals of one compiled program (the keys of PRICED), with 'unpriced_calls' (the
   UNPRICED_CALLS it holds, added back at 0 s each) and 'dcn_bytes' (what one chip sends across `slices`
-  slices, bench/dcn_cost.py). optimal_seconds is -1.0 where libtpu gave none (a libtpu loaded while
+  slices, dcn_cost.py). optimal_seconds is -1.0 where libtpu gave none (a libtpu loaded while
   another process holds it has no cost model)."""
   costs = compiled.cost_analysis() or {}
   if isinstance(costs, (list, tuple)):  # older jax returned one dict per program
@@ -98,13 +97,13 @@ def prediction(config: RunConfig, prices: Dict[int, Dict[str, float]], depths: S
                device_kind: str, model_config) -> Dict[str, Any]:
   """The predicted step at each depth: seconds, tokens/s per chip, and the MFU bound (model FLOPs over
   the chips' bf16 peak for the predicted seconds). `model_config` has the run's vocabulary."""
-  peak = known_peak_flops(device_kind)
+  peak = hardware.known_peak_flops(device_kind)
   tokens = config.data.batch_size * config.data.seq_len
   if any(p["optimal_seconds"] <= 0 for p in prices.values()):
     return {"unpriced": "the cost model priced no time, or counted an instruction it cannot price as -1 s (if "
                         "another process holds libtpu, set ALLOW_MULTIPLE_LIBTPU_LOAD=1 to compile ahead of time)",
             "prices": {str(d): p for d, p in prices.items()}}
-  bandwidth = dcn_cost.DCN_BYTES_PER_S.get(dcn_cost.generation(device_kind) or "")
+  bandwidth = hardware.dcn_bytes_per_s(device_kind)
   steps = {}
   for depth in sorted(set(depths)):
     priced = extrapolate(prices, depth)
@@ -121,7 +120,7 @@ def prediction(config: RunConfig, prices: Dict[int, Dict[str, float]], depths: S
         "bytes_per_chip": priced["bytes accessed"]}
   out = {"steps": steps, "peak_flops_per_chip": peak, "prices": {str(d): p for d, p in prices.items()}}
   if any(p.get("dcn_bytes") for p in prices.values()) and not bandwidth:
-    out["dcn_unpriced"] = f"no DCN bandwidth known for {device_kind!r} (bench/dcn_cost.py): the network is left out"
+    out["dcn_unpriced"] = f"no DCN bandwidth known for {device_kind!r} (hardware.py): the network is left out"
   deepest = steps[str(max(depths))]  # at small depths the embedding and head weigh more, counted differently
   counted = deepest["compiler_flops_per_chip"] / deepest["model_flops_per_chip"]
   if counted < COUNTED_AT_LEAST:

@@ -25,94 +25,31 @@ approximation of a mean for the others (scoring.py).
 
 One forward pass per question scores the true answer and every candidate that differs from it only
 in its last token (the prompt's other digits, neighbouring integers); other candidates get a row
-of their own. Rows are sorted by length and padded to LENGTH_BUCKET, as in decoding.py, so a whole
-evaluation compiles a handful of programs.
+of their own. The rows are scored by continuations.py, the scorer the lm-eval adapter uses too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from midas_jax.configs import ModelConfig
-from midas_jax.evals import figures, primitives, scoring
+from midas_jax.evals import continuations, figures, primitives, scoring
 from midas_jax.evals.decoding import stop_token_ids
 from midas_jax.evals.options import context_length, option
-from midas_jax.model import Decoder
 
-LENGTH_BUCKET = 32
 SCORES = ("log_likelihood", "forced_choice", "token_accuracy", "exact_match")
 
 
-def causal_rows(tokens: jax.Array, lengths: jax.Array) -> Dict[str, jax.Array]:
-  """A model batch of one causal sequence per row: tokens [B, L], the first lengths[b] of row b real."""
-  b, length = tokens.shape
-  pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
-  return {"inputs": tokens, "positions": pos, "segment_ids": (pos < lengths[:, None]).astype(jnp.int32),
-          "prefix_mask": jnp.zeros((b, length), jnp.bool_)}
-
-
-@functools.lru_cache(maxsize=16)
-def _logprob_fn(cfg: ModelConfig, positions: int):
-  """jit(params, tokens [B, L], first [B]) -> log-softmax [B, positions, V] at first-1, first, ..."""
-  model = Decoder(cfg)
-
-  def fn(params, tokens, lengths, first):
-    length = tokens.shape[1]
-    logits = model.apply({"params": params}, causal_rows(tokens, lengths)).astype(jnp.float32)
-    at = jnp.clip(first[:, None] - 1 + jnp.arange(positions)[None, :], 0, length - 1)
-    picked = jnp.take_along_axis(logits, at[:, :, None], axis=1)
-    return jax.nn.log_softmax(picked, axis=-1)
-
-  return jax.jit(fn)
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
-
-
-def continuation_logprobs(params, cfg: ModelConfig, rows: Sequence[Tuple[Sequence[int], Sequence[int]]],
-                          max_length: int, batch_size: int = 32) -> List[np.ndarray]:
-  """For each (context ids, continuation ids): the log-softmax [len(continuation) + 1, vocab] that
-  predicts each continuation token from the true prefix, then the token after the continuation."""
-  if not rows:
-    return []
-  longest = max(len(c) + len(t) for c, t in rows)
-  if min(len(c) for c, _ in rows) < 1 or longest > max_length:
-    raise ValueError(f"rows must have a context and at most {max_length} tokens in all; the longest has {longest}")
-  positions = max(len(t) for _, t in rows) + 1
-  fn = _logprob_fn(cfg, positions)
-  params = jax.device_put(params)
-  width_rows = min(batch_size, 1 << (len(rows) - 1).bit_length())
-  order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1]))
-  out: List[Optional[np.ndarray]] = [None] * len(rows)
-  for start in range(0, len(order), width_rows):
-    chunk = order[start:start + width_rows]
-    width = min(max_length, _round_up(max(len(rows[i][0]) + len(rows[i][1]) for i in chunk), LENGTH_BUCKET))
-    tokens = np.zeros((width_rows, width), np.int32)
-    lengths, first = np.ones((width_rows,), np.int32), np.ones((width_rows,), np.int32)
-    for r, i in enumerate(chunk):
-      ids = list(rows[i][0]) + list(rows[i][1])
-      tokens[r, :len(ids)] = ids
-      lengths[r], first[r] = len(ids), len(rows[i][0])
-    logp = np.asarray(fn(params, tokens, lengths, first))
-    for r, i in enumerate(chunk):
-      out[i] = logp[r, :len(rows[i][1]) + 1]
-  return out  # type: ignore[return-value]
-
-
 @dataclasses.dataclass
-class Question:
+class TokenizedQuestion:
   """One k-shot question, tokenized: context, its candidate answers (the true one first)."""
 
-  example: primitives.Example
+  question: primitives.Question
   context: List[int]
   candidates: List[List[int]]
   rows: List[int] = dataclasses.field(default_factory=list)  # indices into the row list
@@ -124,17 +61,17 @@ def _covers(row: Sequence[int], candidate: Sequence[int]) -> bool:
   return len(candidate) - 1 <= len(row) and list(row[:len(candidate) - 1]) == list(candidate[:-1])
 
 
-def plan_rows(questions: Sequence[Question]) -> List[Tuple[List[int], List[int]]]:
+def plan_rows(questions: Sequence[TokenizedQuestion]) -> List[Tuple[List[int], List[int]]]:
   """The (context, continuation) rows to run: each question's true answer, plus every candidate no
   earlier row of its question covers. Fills each question's rows and covered_by."""
   rows: List[Tuple[List[int], List[int]]] = []
   for q in questions:
-    continuations: List[List[int]] = []
+    planned: List[List[int]] = []
     for cand in q.candidates:
-      hit = next((j for j, cont in enumerate(continuations) if _covers(cont, cand)), None)
+      hit = next((j for j, cont in enumerate(planned) if _covers(cont, cand)), None)
       if hit is None:
-        continuations.append(cand)
-        hit = len(continuations) - 1
+        planned.append(cand)
+        hit = len(planned) - 1
         q.rows.append(len(rows))
         rows.append((q.context, cand))
       q.covered_by.append(hit)
@@ -157,7 +94,7 @@ def guesser_token_accuracy(candidates: Sequence[Sequence[int]]) -> float:
   return sum(shares) / len(shares)
 
 
-def score_question(q: Question, logps: Sequence[np.ndarray], rows, stop_ids: Sequence[int]) -> Dict[str, Any]:
+def score_question(q: TokenizedQuestion, logps: Sequence[np.ndarray], rows, stop_ids: Sequence[int]) -> Dict[str, Any]:
   """The four scores of one question from its rows' log-probs."""
   true_logp, answer = logps[q.rows[0]], q.candidates[0]
   token_lp = [float(true_logp[j, t]) for j, t in enumerate(answer)]
@@ -174,7 +111,7 @@ def score_question(q: Question, logps: Sequence[np.ndarray], rows, stop_ids: Seq
           "candidate_logprobs": totals}
 
 
-def summarize_task(scores: Sequence[Dict[str, Any]], questions: Sequence[Question]) -> Dict[str, Any]:
+def summarize_task(scores: Sequence[Dict[str, Any]], questions: Sequence[TokenizedQuestion]) -> Dict[str, Any]:
   """Each score's mean, 95% interval and chance level over the task's questions."""
   n = len(scores)
   out: Dict[str, Any] = {}
@@ -191,18 +128,18 @@ def summarize_task(scores: Sequence[Dict[str, Any]], questions: Sequence[Questio
                                                    for q in questions]))
   out["forced_choice"]["chance"] = float(np.mean([1 / k for k in sizes]))
   out["token_accuracy"]["chance"] = float(np.mean([guesser_token_accuracy(q.candidates) for q in questions]))
-  out["exact_match"]["chance"] = scoring.majority_share([q.example.answer for q in questions])
+  out["exact_match"]["chance"] = scoring.majority_share([q.question.answer for q in questions])
   return {"scores": out, "questions": n, "mean_candidates": float(np.mean(sizes))}
 
 
-def build_questions(task: str, num: int, k: int, seed: int, vocab, context_len: int) -> List[Question]:
+def build_questions(task: str, num: int, k: int, seed: int, vocab, context_len: int) -> List[TokenizedQuestion]:
   """`num` k-shot questions of `task` with their tokenized candidates; prompts leave room for the
   longest candidate and the token after it."""
   held = primitives.sample(task, num, seed)
   room = max(len(vocab.encode(c)) for e in held for c in primitives.candidates(e)) + 1
-  examples = primitives.k_shot_examples(task, num, k, seed, vocab.encode, context_len - room)
-  return [Question(e, vocab.encode(e.prompt), [vocab.encode(c) for c in primitives.candidates(e)])
-          for e in examples]
+  questions = primitives.k_shot_questions(task, num, k, seed, vocab.encode, context_len - room)
+  return [TokenizedQuestion(q, vocab.encode(q.prompt), [vocab.encode(c) for c in primitives.candidates(q)])
+          for q in questions]
 
 
 def evaluate(params, model_config: ModelConfig, vocab, context_len: int, options: Mapping[str, Any]) -> Dict[str, Any]:
@@ -212,14 +149,14 @@ def evaluate(params, model_config: ModelConfig, vocab, context_len: int, options
               for name in primitives.task_names(options)}
   questions = [q for qs in per_task.values() for q in qs]
   rows = plan_rows(questions)
-  logps = continuation_logprobs(params, model_config, rows, context_len, option(options, "batch_size"))
+  logps = continuations.logprobs(params, model_config, rows, context_len, option(options, "batch_size"))
   stop_ids = stop_token_ids(vocab)
   out = {}
   for name, qs in per_task.items():
     scores = [score_question(q, logps, rows, stop_ids) for q in qs]
     spec = primitives.TASKS[name]
-    samples = [{"prompt": q.example.meta["query"], "answer": q.example.answer,
-                "candidates": primitives.candidates(q.example),
+    samples = [{"prompt": q.question.meta["query"], "answer": q.question.answer,
+                "candidates": primitives.candidates(q.question),
                 "candidate_logprobs": [round(v, 3) for v in s["candidate_logprobs"]]}
                for q, s in zip(qs[:option(options, "samples")], scores)]
     out[name] = dict(summarize_task(scores, qs), primitive=spec.primitive, depth=spec.depth, samples=samples)

@@ -4,7 +4,7 @@ GPT-2, Llama-3, SmolLM and Qwen ship their tokenizer (byte-level BPE, mostly) as
 this keeps its ids so weights trained with it can be trained further. Which tokens are EOS, pad,
 unk and BOS comes from the tokenizer_config.json (or special_tokens_map.json) beside it, as
 transformers reads them, else from the usual names among its tokens; a pad or eos it lacks, and the
-sentinels and mode tokens it lacks, are appended above its ids (data/vocab.py).
+sentinels and mode tokens it lacks, are appended above its ids (data/vocab/vocabulary.py).
 
 `encode` adds no special tokens (no BOS, no EOS: the pipeline ends each document with EOS itself);
 a special token's text inside a document ("<|endoftext|>") becomes that token, as in transformers.
@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List, Optional
 from tokenizers import Tokenizer
 
 from midas_jax import fs
-from midas_jax.data.vocab import Vocabulary, appended_names, appended_specials, check_extra_ids
+from midas_jax.data.vocab.vocabulary import Vocabulary, appended_names, appended_specials, check_extra_ids
 from midas_jax.errors import ConfigError, require
 
 TOKENIZER_FILE = "tokenizer.json"
