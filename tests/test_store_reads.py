@@ -213,6 +213,8 @@ def test_a_stacked_run_is_fed_at_its_shallowest_stage():
   assert ratio == pytest.approx(7_038_566_400 / 1_502_085_120, rel=1e-12) and round(ratio, 2) == 4.69
   # one of 16 hosts of 64 chips at 459 TFLOP/s and 40% MFU
   assert first["tokens_per_second"] == pytest.approx(64 * 459e12 * 0.4 / 1_502_085_120 / 16, rel=1e-12)
+  # hosts as the launchers count them (hardware.slice_hosts): a v5e slice of 8 chips is one host, of 16 four
+  assert [store_bench.host_consumption(stacked, s, 0.4)["hosts"] for s in ("v5litepod-8", "v5litepod-16")] == [1, 4]
   assert (first["depth"], full["depth"]) == (4, 24)
   assert first["arithmetic"].startswith("stage 1 of 6, depth 4 of 24: 1.502e+09 FLOP/token")
   assert full["arithmetic"].startswith("depth 24: 7.039e+09 FLOP/token")

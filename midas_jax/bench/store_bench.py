@@ -53,7 +53,7 @@ def host_consumption(config: RunConfig, topology: str, mfu: float) -> Dict[str, 
   one_slice = parsed is not None and parsed.name == parsed.accelerator  # written without `Nx`
   require(one_slice, "--consumption", f"unknown TPU slice {topology!r}", "use e.g. v4-64, v5p-128, v5litepod-64")
   chips = parsed.chips
-  hosts = max(1, chips // hardware.HOST_CHIPS)  # as many hosts as 4-chip hosts fit (a v5e-8 counts 2)
+  hosts, _ = hardware.slice_hosts(parsed.tpu, chips)  # a v5e-8 is one host of 8 chips
   peak = hardware.known_peak_flops(parsed.tpu.name)
   model = config.model.with_vocab(make_vocabulary(config.data).vocab_size)
   depths = schedule_for(config).depths

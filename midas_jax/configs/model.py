@@ -163,7 +163,7 @@ class ModelConfig:
   def with_vocab(self, vocab_size: int) -> "ModelConfig":
     """Fills vocab_size from the data vocabulary (padded), or checks that a set one is big enough."""
     if self.vocab_size is None:
-      padded = -(-vocab_size // self.vocab_multiple) * self.vocab_multiple
+      padded = -(-vocab_size // self.vocab_multiple) * self.vocab_multiple  # round up (configs import only errors)
       return dataclasses.replace(self, vocab_size=padded)
     require(self.vocab_size >= vocab_size, "ModelConfig.vocab_size",
             f"{self.vocab_size} is smaller than the data vocabulary ({vocab_size} ids)",

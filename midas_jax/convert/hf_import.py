@@ -29,6 +29,7 @@ from midas_jax.convert.export import prepare_out_dir
 from midas_jax.data.vocab import vocabulary as vocab_lib
 from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.errors import ConfigError, require
+from midas_jax.padding import round_up
 
 GIN_FILE = "imported.gin"
 TOKENIZER_DIR = "tokenizer"
@@ -99,7 +100,7 @@ def fit_vocabulary(params: dict, cfg: configs.ModelConfig, vocab) -> Tuple[dict,
   if cfg.vocab_size >= vocab.vocab_size:
     return params, cfg, 0
   multiple = configs.ModelConfig.vocab_multiple
-  rows = -(-vocab.vocab_size // multiple) * multiple
+  rows = round_up(vocab.vocab_size, multiple)
   added = rows - cfg.vocab_size
   grown = dict(params)
   table = params["embedding"]

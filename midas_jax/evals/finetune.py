@@ -26,6 +26,7 @@ from midas_jax.errors import require
 from midas_jax.evals import decoding, figures, primitives, scoring
 from midas_jax.evals.options import context_length, option
 from midas_jax.model import Decoder
+from midas_jax.padding import round_up
 from midas_jax.train import step as step_lib
 from midas_jax.train_state import TrainState
 
@@ -38,7 +39,7 @@ FINETUNE_OPTIMIZER = OptimizerConfig(warmup_steps=0, decay="constant", b1=0.9, b
 def training_rows(vocab, examples: Sequence[primitives.Question]) -> Dict[str, np.ndarray]:
   """One padded causal row per example: loss weights on the answer and its end of line only."""
   encoded = [(vocab.encode(e.prompt), vocab.encode(e.answer + "\n")) for e in examples]
-  width = -(-max(len(p) + len(a) - 1 for p, a in encoded) // ROW_BUCKET) * ROW_BUCKET
+  width = round_up(max(len(p) + len(a) - 1 for p, a in encoded), ROW_BUCKET)
   rows = {k: np.zeros((len(examples), width), np.int32) for k in ("inputs", "targets", "segment_ids")}
   weights = np.zeros((len(examples), width), np.float32)
   for i, (prompt, answer) in enumerate(encoded):

@@ -19,7 +19,7 @@ from midas_jax.console import say
 from midas_jax.fs import storage_errors
 
 
-def describe(error: BaseException, limit: int = 200) -> str:
+def one_line(error: BaseException, limit: int = 200) -> str:
   """An error in one short line, for a log line."""
   text = " ".join(f"{type(error).__name__}: {error}".split())
   return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -62,11 +62,11 @@ class Periodic:
       self._failing_since = self._failing_since or now
       if not self._warned and storage_errors.classify(e) is None and not isinstance(e, OSError):
         self._warned = True  # not the storage refusing: a fault of this process, said at once
-        say(f"{self.what}: writing failed with an error that is not a storage error ({describe(e)}); "
+        say(f"{self.what}: writing failed with an error that is not a storage error ({one_line(e)}); "
             "retried in the background while training goes on")
       elif not self._warned and now - self._failing_since >= self.warn_after:
         self._warned = True
-        say(f"{self.what}: storage has refused writes for {now - self._failing_since:.0f} s ({describe(e)}); "
+        say(f"{self.what}: storage has refused writes for {now - self._failing_since:.0f} s ({one_line(e)}); "
             "they are kept in memory and retried in the background while training goes on")
       return False
     if self._warned:
@@ -115,5 +115,5 @@ class Periodic:
     self._thread.join(max(self._deadline - time.monotonic(), 0.0))
     done = not self._thread.is_alive() and self.error is None
     if not done and lost is not None:
-      say(lost() + (f" ({describe(self.error)})" if self.error else " (storage did not answer in time)"))
+      say(lost() + (f" ({one_line(self.error)})" if self.error else " (storage did not answer in time)"))
     return done
