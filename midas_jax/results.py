@@ -104,9 +104,9 @@ def render_page(page) -> str:
   """The page's text with every marked table re-rendered from its results file."""
   page = pathlib.Path(page)
   return MARKED.sub(lambda m: m.group(1) + rendered_block(page, m.group(2), m.group(3)) + m.group(5),
-                    page.read_text())
+                    fs.read_text(str(page)))
 
 
 def marked_tables(page) -> List[tuple]:
   """(results file, table name) of every marked block of a page."""
-  return [(m.group(2), m.group(3)) for m in MARKED.finditer(pathlib.Path(page).read_text())]
+  return [(m.group(2), m.group(3)) for m in MARKED.finditer(fs.read_text(str(page)))]

@@ -14,7 +14,7 @@ import argparse
 import glob
 from typing import List
 
-from midas_jax import results
+from midas_jax import fs, results
 from midas_jax.commands.common import CommandGroup
 from midas_jax.console import say
 from midas_jax.errors import ConfigError
@@ -35,14 +35,11 @@ def _render(args: argparse.Namespace, bindings: List[str]) -> int:
     raise ConfigError("PAGE", "no pages given and no README.md or docs/*.md here", "run it from the repository root")
   stale = []
   for page in pages:
-    with open(page) as f:
-      text = f.read()
     rendered = results.render_page(page)
-    if rendered != text:
+    if rendered != fs.read_text(page):
       stale.append(page)
       if not args.check:
-        with open(page, "w") as f:
-          f.write(rendered)
+        fs.write_text(page, rendered)
   verb = "differ from their results files" if args.check else "re-rendered"
   say(f"docs: {len(stale)} of {len(pages)} pages {verb}" + (f": {', '.join(stale)}" if stale else ""))
   return 1 if (args.check and stale) else 0
