@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional, Tuple
 
 from midas_jax.errors import require
@@ -14,6 +15,7 @@ _METRIC_NAMES = ("causal", "prefix", "span")  # the objectives' own `loss/<name>
 ORIGINS = ("builtin", "text", "seqio", "tfds")  # what `midas data prepare` reads into a store
 VOCABS = ("byte", "sentencepiece", "tokenizers")
 CORPUS_HOLDOUTS = ("none", "composition")
+MAX_CORPUS_DOCUMENTS = 2_000_000  # the built-in corpus is held in memory: ~0.23 GB of text per million documents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +121,15 @@ class DataConfig:
   corpus_holdout: what the built-in corpus leaves out (data/sources/corpus.py): "none", or "composition": no
     depth-2 variable chains and no pre-school-math lines, in either split, so the primitives
     assignment_depth2 and psm measure composing what was trained (one hop; literals and `print`).
+  corpus_documents: the built-in corpus's training documents, generated deterministically (validation keeps
+    1,000, which skip every training text, so they depend on it): a long run reads a larger corpus rather than
+    repeating this one.
+
+  The held-out ("validation") split, which evaluation reads: eval_seed seeds its random stream (None: seed),
+  so that with eval_seed fixed, training seeds vary the training rows only and every seed is scored on the
+  same batches. heldout_shard (i, n): its batches draw only from held-out documents i, i + n, i + 2n, ...,
+  so that one held-out split gives n disjoint evaluation sets (e.g. learning rates chosen on (0, 2), the
+  loss reported on (1, 2)); in-memory sources only (not a prepared store).
 
   vocab: "byte", "sentencepiece" (spm_model: a .model file of any special-id layout) or "tokenizers"
   (tokenizer: a tokenizer.json, or a directory holding one with its tokenizer_config.json). A
@@ -140,6 +151,9 @@ class DataConfig:
   seq_len: int = 256
   batch_size: int = 16
   seed: int = 0
+  eval_seed: Optional[int] = None
+  heldout_shard: Optional[Tuple[int, int]] = None
+  corpus_documents: int = 20_000
   min_chunk: int = 16
   seqio_task: Optional[str] = None
   seqio_train_split: str = "train"
@@ -182,6 +196,7 @@ class DataConfig:
             "set DataConfig.train_files = ['path/*.txt']")
     self._check_prepared()
     self._check_mixture()
+    self._check_heldout()
     require(self.seq_len >= 8, s + "seq_len", f"must be >= 8, got {self.seq_len}", "typical: 256 to 8192")
     require(self.batch_size > 0, s + "batch_size", "must be > 0", "set a positive global batch size")
     require(self.seed >= 0, s + "seed", f"must be >= 0, got {self.seed}", "use a non-negative integer")
@@ -189,6 +204,10 @@ class DataConfig:
             "128 leaves room for span-corruption sentinels and mode tokens")
     require(2 <= self.min_chunk <= self.seq_len, s + "min_chunk", "must be in [2, seq_len]",
             "16 is the default")
+
+  def split_seed(self, split: str) -> int:
+    """The seed of `split`'s random stream: seed for "train", eval_seed (when set) for the held-out split."""
+    return self.seed if split == "train" or self.eval_seed is None else self.eval_seed
 
   @property
   def origin(self) -> str:
@@ -216,6 +235,32 @@ class DataConfig:
     require(len(set(names)) == len(names), s, f"source names {names} repeat", "give every source its own name")
     require(not entries or sum(e.weight for e in entries) > 0, s, "every weight is 0",
             "give at least one source a positive weight")
+
+  def _check_heldout(self) -> None:
+    s = "DataConfig."
+    seed = self.eval_seed
+    require(seed is None or (isinstance(seed, numbers.Integral) and seed >= 0), s + "eval_seed",
+            f"must be None or an integer >= 0, got {seed!r}",
+            "None draws the held-out batches from DataConfig.seed; fix it (e.g. 0) to score every seed alike")
+    size = self.corpus_documents
+    require(isinstance(size, numbers.Integral) and 100 <= size <= MAX_CORPUS_DOCUMENTS, s + "corpus_documents",
+            f"must be an integer in [100, {MAX_CORPUS_DOCUMENTS:,}], got {size!r}",
+            "the default is 20000; take enough that a run passes over the corpus at most a few times")
+    shard = self.heldout_shard
+    if shard is None:
+      return
+    if isinstance(shard, list):  # gin and JSON hand over lists
+      shard = tuple(shard)
+    require(isinstance(shard, tuple) and len(shard) == 2 and all(isinstance(x, numbers.Integral) for x in shard)
+            and shard[1] >= 1 and 0 <= shard[0] < shard[1], s + "heldout_shard",
+            f"{shard!r} is not a shard (i, n) with n >= 1 and 0 <= i < n",
+            "write e.g. (0, 2) for held-out documents 0, 2, 4, ... and (1, 2) for the others, or None for all")
+    object.__setattr__(self, "heldout_shard", (int(shard[0]), int(shard[1])))
+    stores = (["DataConfig.source is 'prepared'"] if self.source == "prepared" else []) + [
+        f"mixture source {e.name!r} is 'prepared'" for e in self.mixture if e.source == "prepared"]
+    require(not stores, s + "heldout_shard", f"is {shard!r}, but {'; '.join(stores)}: a prepared store's held-out "
+            "split is read whole", "leave DataConfig.heldout_shard None, or read the data in memory "
+            "(source builtin, text or seqio)")
 
   def _check_prepared(self) -> None:
     s = "DataConfig."

@@ -33,7 +33,19 @@ def load_token_documents(config: RunConfig, vocab: Vocabulary,
   if config.data.source == "seqio":
     return {split: seqio_reader.load_token_documents_from_task(config.data, split, cache_dir, vocab)
             for split in SPLITS}
-  return {split: tokenize_documents(load_documents(config.data, split), vocab) for split in SPLITS}
+  data = config.data
+  if data.source == "builtin" and data.vocab == "byte":  # generated and tokenized alike every time: kept
+    key = (data.corpus_seed, data.corpus_holdout, data.corpus_documents, data.extra_ids)
+    if key not in _BUILTIN_TOKENS:
+      _BUILTIN_TOKENS.clear()  # one corpus at a time: a study's cells share it
+      _BUILTIN_TOKENS[key] = {split: tokenize_documents(load_documents(data, split), vocab) for split in SPLITS}
+    return dict(_BUILTIN_TOKENS[key])
+  return {split: tokenize_documents(load_documents(data, split), vocab) for split in SPLITS}
+
+
+# The built-in corpus with the byte vocabulary, tokenized: a study builds a pipeline per cell and per eval
+# set over the same documents (the pipelines only read them).
+_BUILTIN_TOKENS: Dict[tuple, Dict[str, List[np.ndarray]]] = {}
 
 
 def load_data(config: RunConfig, stage_starts: Optional[Sequence[int]] = None) -> Tuple[Vocabulary, AnyPipeline]:

@@ -39,7 +39,9 @@ batches use the sources' own weights (MixtureSource.weight) throughout, and the 
 each source on its own validation batches (train/run.py records `loss/<name>`).
 
 Each source has its own seed, derived from the run's DataConfig.seed and the source's name, so two
-sources never share random draws and reordering the mixture changes no source's stream.
+sources never share random draws and reordering the mixture changes no source's stream; its eval_seed
+is derived from DataConfig.eval_seed alike. Which rows of a step each source gets depends on the
+weights only, not on a seed, so a fixed eval_seed fixes the whole validation batch.
 """
 
 from __future__ import annotations
@@ -70,11 +72,14 @@ def source_seed(seed: int, name: str) -> int:
 
 
 def source_config(data: DataConfig, source: MixtureSource) -> DataConfig:
-  """The DataConfig one source's pipeline is built from: the run's, with the source's settings and seed."""
+  """The DataConfig one source's pipeline is built from: the run's, with the source's settings and seeds
+  (its eval_seed derived from the run's as its seed is, so a fixed eval_seed fixes every source's
+  held-out rows; heldout_shard and corpus_documents are the run's)."""
+  eval_seed = None if data.eval_seed is None else source_seed(data.eval_seed, source.name)
   return dataclasses.replace(
       data, source=source.source, train_files=source.train_files, eval_files=source.eval_files,
       jsonl_field=source.jsonl_field, corpus_seed=source.corpus_seed, prepared_dir=source.prepared_dir,
-      prepared_from=source.prepared_from, mixture=(), seed=source_seed(data.seed, source.name))
+      prepared_from=source.prepared_from, mixture=(), seed=source_seed(data.seed, source.name), eval_seed=eval_seed)
 
 
 @dataclasses.dataclass(frozen=True)

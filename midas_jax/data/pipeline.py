@@ -2,7 +2,8 @@
 
 Row r of step s is built from its own random draws, addressed by (seed, split, s * batch_size + r)
 (ul2/streams.py), so any process can build exactly its own rows, resuming needs no iterator state, and
-changing the number of processes changes nothing (docs/architecture.md#data-addressed-by-step).
+changing the number of processes changes nothing (docs/architecture.md#data-addressed-by-step). The
+held-out split's seed is DataConfig.eval_seed when set, and its documents those of DataConfig.heldout_shard.
 
 A row is filled example by example until fewer than `min_chunk` slots remain. Each example picks
 its objective (causal / prefix LM / one of the span denoisers) at the configured rates, then a
@@ -38,6 +39,17 @@ def tokenize_documents(texts: Sequence[str], vocab) -> List[np.ndarray]:
   return [np.asarray(vocab.encode(t) + [vocab.eos_id], np.int32) for t in texts]
 
 
+def heldout_documents(docs: Sequence[np.ndarray], shard) -> Sequence[np.ndarray]:
+  """The held-out documents batches draw from: with DataConfig.heldout_shard (i, n), documents i, i + n,
+  i + 2n, ... (so the n shards are disjoint evaluation sets); None: all."""
+  if shard is None:
+    return docs
+  i, n = shard
+  require(len(docs) > i, "DataConfig.heldout_shard", f"shard {tuple(shard)} of {len(docs)} held-out documents is empty",
+          f"use fewer shards than the {len(docs)} held-out documents")
+  return docs[i::n]
+
+
 # Counters of a row's stream (ul2/streams.py): example slot t draws at 4t + (objective, document,
 # window start, prefix split); the span key of the token at row slot i is 4 * seq_len + i.
 _DRAWS_PER_SLOT = 4
@@ -61,7 +73,9 @@ class Pipeline:
     require((_DRAWS_PER_SLOT + 2) * config.seq_len < 1 << streams.ROW_BITS, "DataConfig.seq_len",
             f"{config.seq_len} needs more random draws per row than a row has", "use seq_len < 2,000,000")
     self.config, self.mix = config, mix
-    self.documents = documents
+    self.documents = documents  # as given: data_bench builds its own pipeline over them
+    held_out = {split: heldout_documents(docs, config.heldout_shard) for split, docs in documents.items()
+                if split != "train"}
     self.special = (objectives.special_tokens(vocab_size, config.extra_ids, mix.num_sentinels) if vocab is None
                     else objectives.vocabulary_special_tokens(vocab, mix.num_sentinels))
     self._vocabulary = None if vocab is None else vocab.special_ids()
@@ -71,8 +85,8 @@ class Pipeline:
     self._cumulative[-1] = 1.0
     tables = example_tables(config.seq_len, mix, self.entries, self.special)
     self._table = {k: v.ravel() for k, v in tables.items()}
-    self._keys = {split: streams.split_key(config.seed, i) for i, split in enumerate(SPLITS)}
-    self._pools = {split: _Pool(docs) for split, docs in documents.items()}
+    self._keys = {split: streams.split_key(config.split_seed(split), i) for i, split in enumerate(SPLITS)}
+    self._pools = {split: _Pool(held_out.get(split, docs)) for split, docs in documents.items()}
     self._cache: Dict[tuple, Dict[int, Dict[str, np.ndarray]]] = {}  # (split, process) -> step -> batch
     self._lock = threading.Lock()  # batch() may be called from a prefetch thread and the main one
     self._sentinel_ids = np.asarray(self.special.sentinel_ids, np.int32)

@@ -11,7 +11,8 @@ things one can measure separately:
                       sums/differences of two variables
   copy         0.15   exact copying of a random sequence      the copy after ": "
 
-Shares are of documents (exact counts); train has 20,000 documents (4.6 MB) and validation 1,000
+Shares are of documents (exact counts); train has 20,000 documents (4.6 MB) by default
+(DataConfig.corpus_documents sets the number: a third of a second per 20,000) and validation 1,000
 (0.24 MB). By bytes the shares are about: story 0.40, facts 0.23, arithmetic 0.15, assignment 0.12,
 copy 0.10 (stories are the longest documents).
 
@@ -364,9 +365,14 @@ _GENERATORS: Dict[str, Callable[[random.Random, World, str], str]] = {
 # ---------------------------------------------------------------------------------------------
 # Splits
 
-def kind_counts(split: str) -> Dict[str, int]:
+def split_size(split: str, train_size: int = SIZES["train"]) -> int:
+  """The documents of `split` in a corpus of `train_size` training documents (validation: always 1,000)."""
+  return train_size if split == "train" else SIZES[split]
+
+
+def kind_counts(split: str, train_size: int = SIZES["train"]) -> Dict[str, int]:
   """Exact number of documents of each kind in `split` (largest-remainder rounding of KIND_SHARES)."""
-  total = SIZES[split]
+  total = split_size(split, train_size)
   counts = {k: int(p * total) for k, p in KIND_SHARES}
   by_remainder = sorted(KIND_SHARES, key=lambda kp: -(kp[1] * total - int(kp[1] * total)))
   for k, _ in by_remainder[:total - sum(counts.values())]:
@@ -375,16 +381,16 @@ def kind_counts(split: str) -> Dict[str, int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _documents(split: str, seed: int, holdout: str = "none") -> Tuple[Document, ...]:
+def _documents(split: str, seed: int, holdout: str = "none", train_size: int = SIZES["train"]) -> Tuple[Document, ...]:
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; the built-in corpus has {SPLITS}")
   if holdout not in HOLDOUTS:
     raise ValueError(f"unknown corpus holdout {holdout!r}; use one of {HOLDOUTS} (DataConfig.corpus_holdout)")
   w = world(seed)
   # Validation is drawn after train and skips any text train has; train skips its own repeats.
-  seen: Set[str] = set() if split == "train" else {d.text for d in _documents("train", seed, holdout)}
+  seen: Set[str] = set() if split == "train" else {d.text for d in _documents("train", seed, holdout, train_size)}
   docs: List[Document] = []
-  for kind, count in kind_counts(split).items():
+  for kind, count in kind_counts(split, train_size).items():
     rng = random.Random(f"midas-corpus/{kind}/{split}/{seed}")
     made, attempts = 0, 0
     while made < count:
@@ -402,9 +408,12 @@ def _documents(split: str, seed: int, holdout: str = "none") -> Tuple[Document, 
   return tuple(docs)
 
 
-def documents(split: str, seed: int = 0, holdout: str = "none") -> List[Document]:
-  """The documents of `split` ("train" or "validation") for `seed`, in a fixed shuffled order."""
-  return list(_documents(split, seed, holdout))
+def documents(split: str, seed: int = 0, holdout: str = "none", train_size: int = SIZES["train"]) -> List[Document]:
+  """The documents of `split` ("train" or "validation") for `seed`, in a fixed shuffled order.
+  train_size: the training documents (DataConfig.corpus_documents); each kind's documents of a larger
+  corpus begin with those of a smaller one, but the order differs, and so may the validation documents
+  (they skip every training text)."""
+  return list(_documents(split, seed, holdout, int(train_size)))
 
 
 def write_text_files(out_dir: str, seed: int = 0) -> Dict[str, str]:

@@ -1,6 +1,7 @@
 """The documents of a split, as plain strings, from the source a DataConfig names.
 
-source "builtin": the generated corpus (`corpus.documents(split, config.corpus_seed)`).
+source "builtin": the generated corpus (`corpus.documents(split, config.corpus_seed, ...)`, of
+`DataConfig.corpus_documents` training documents).
 source "text": the files matched by the glob patterns in `train_files` / `eval_files` (patterns in
 their order, each one's matches sorted; `~` is expanded, `**` recurses; a file matched twice is read
 once; local paths or gs:// URLs, through midas_jax.fs). Formats, by extension:
@@ -41,7 +42,7 @@ def load_documents(config: DataConfig, split: str) -> List[str]:
   if split not in SPLITS:
     raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
   if config.source == "builtin":
-    return [d.text for d in corpus.documents(split, config.corpus_seed, config.corpus_holdout)]
+    return [d.text for d in corpus.documents(split, config.corpus_seed, config.corpus_holdout, config.corpus_documents)]
   if split == "validation" and config.eval_files:
     return read_documents(config.eval_files, "DataConfig.eval_files", config.jsonl_field)
   docs = read_documents(config.train_files, "DataConfig.train_files", config.jsonl_field)

@@ -75,6 +75,8 @@ def source_description(config: DataConfig) -> Dict[str, object]:
   kind = config.origin
   if kind == "builtin":
     held = {"corpus_holdout": config.corpus_holdout} if config.corpus_holdout != "none" else {}
+    if config.corpus_documents != DataConfig.corpus_documents:  # the default's stores keep their fingerprint
+      held["corpus_documents"] = config.corpus_documents
     return {"kind": kind, "corpus_seed": config.corpus_seed, **held}
   if kind == "text":
     return {"kind": kind, "train_files": list(config.train_files), "eval_files": list(config.eval_files),

@@ -95,7 +95,8 @@ def _setting(part: Part) -> str:
 
 def _texts(part: Part, config: DataConfig) -> Iterator[str]:
   if part.kind == "builtin":
-    return (d.text for d in corpus.documents(part.ref, config.corpus_seed, config.corpus_holdout))
+    return (d.text for d in corpus.documents(part.ref, config.corpus_seed, config.corpus_holdout,
+                                             config.corpus_documents))
   if part.kind == "text":
     return text_files.iter_file_documents(part.ref, _setting(part), config.jsonl_field)
   if part.kind == "tfds":

@@ -2,9 +2,9 @@
 
 Data stays addressed by step (docs/architecture.md#data-addressed-by-step): the global batch at
 step s is rows [s * B, (s + 1) * B) of the split, each a pure function of (config, seed, the store,
-row), so each process builds only its own rows and a resume needs no iterator state. Within an
-epoch every document is read once, whole or as consecutive pieces (a window boundary or a chunk
-cut splits it), and none twice.
+row), so each process builds only its own rows and a resume needs no iterator state (the held-out
+split's seed is DataConfig.eval_seed when set). Within an epoch every document is read once, whole
+or as consecutive pieces (a window boundary or a chunk cut splits it), and none twice.
 
 A row holds one objective of the mix (its window's, layout.py). Each document piece in the
 window is one example of it: causal LM; prefix LM split uniformly; span corruption with T5's counts
@@ -60,12 +60,13 @@ class PreparedPipeline:
     self.layouts: Dict[str, EpochLayout] = {}
     self._keys: Dict[str, np.ndarray] = {}
     for index, split in enumerate(SPLITS):
+      seed = config.split_seed(split)  # the held-out split's: DataConfig.eval_seed when set
       reader = SplitReader(store, store_format.split_shards(manifest, split, store), dtype, config.read_threads)
       self.readers[split] = reader
       self.layouts[split] = EpochLayout(config.seq_len, self.entries, tables["length"], self._chunk, reader.tokens,
-                                        reader.documents, streams.split_key(config.seed, _LAYOUT_STREAMS + index),
+                                        reader.documents, streams.split_key(seed, _LAYOUT_STREAMS + index),
                                         mix.mode_tokens)
-      self._keys[split] = streams.split_key(config.seed, _DRAW_STREAMS + index)
+      self._keys[split] = streams.split_key(seed, _DRAW_STREAMS + index)
     # A remote store's reads wait on round trips: the next `read_ahead` steps' reads run while this one is
     # built. Local reads take microseconds and are made in line.
     self._ahead = ReadAhead(config.read_ahead if fs.is_remote(store) else 0)
