@@ -29,6 +29,19 @@ def tiny_model(**overrides) -> configs.ModelConfig:
   return configs.ModelConfig(**base)
 
 
+def random_decoder(vocab_size: int, seed: int = 5):
+  """(config, params) of a tiny decoder with N(0, 1) weights (peaked, varied predictions), filled without
+  compiling an init: for scorers that only need some fixed model."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from midas_jax.model import Decoder, dummy_batch  # pylint: disable=import-outside-toplevel
+  cfg = tiny_model(max_seq_len=128).with_vocab(vocab_size)
+  shapes = nn.unbox(jax.eval_shape(Decoder(cfg).init, jax.random.key(seed), dummy_batch(1, 8))["params"])
+  rng = np.random.default_rng(seed)
+  return cfg, jax.tree.map(lambda x: rng.normal(0.0, 1.0, x.shape).astype(x.dtype), shapes)
+
+
 def tiny_gin(bindings: str = "", num_layers: int = 2) -> str:
   """A gin file for the subprocess tests: tiny_model()'s shape at max_seq_len 64 on rows of 32 tokens, 8 a
   batch, no progress bar, then `bindings` (one per line)."""

@@ -4,12 +4,11 @@ the one-row coverage of candidates, strict exact match against greedy decoding, 
 import functools
 import math
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_model
+from conftest import random_decoder
 from midas_jax.data.vocab.vocabulary import ByteVocabulary
 from midas_jax.evals import continuations, decoding, primitive_scores, primitives, scoring
 from midas_jax.model import Decoder, dummy_batch
@@ -19,11 +18,7 @@ VOCAB = ByteVocabulary()
 
 @pytest.fixture(scope="module")
 def random_model():
-  """A tiny decoder with N(0, 1) weights (peaked, varied predictions), filled without compiling an init."""
-  cfg = tiny_model(max_seq_len=128).with_vocab(VOCAB.vocab_size)
-  shapes = nn.unbox(jax.eval_shape(Decoder(cfg).init, jax.random.key(5), dummy_batch(1, 8))["params"])
-  rng = np.random.default_rng(5)
-  return cfg, jax.tree.map(lambda x: rng.normal(0.0, 1.0, x.shape).astype(x.dtype), shapes)
+  return random_decoder(VOCAB.vocab_size)
 
 
 REFERENCE_LENGTH = 128
