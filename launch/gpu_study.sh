@@ -1,27 +1,81 @@
 #!/usr/bin/env bash
-# The stacking length study on one GPU (gin/experiments/study_stacking_gpu.gin), data generated on the
+# The stacking study on one GPU (gin/experiments/study_stacking_gpu.gin: a baseline ladder and MIDAS at
+# 16 tokens per parameter, two seeds, about 7 minutes on an H100 or H200), data generated on the
 # machine (the built-in corpus), nothing downloaded:
 #
 #   bash launch/gpu_study.sh [WORKDIR] [--gin.K=V ...]
 #
-# WORKDIR defaults to runs/study_stacking_gpu; a re-run resumes from its cells.jsonl. Extra arguments
-# are gin bindings (the suite's CPU smoke test runs this script at tiny sizes with them). Writes
-# WORKDIR/study.md (the tables), study.json, the figures under WORKDIR/study/, and WORKDIR/gpu_study.log
-# with the device, the command and its wall time.
+# 1. Prints the device, its driver, and the versions of python, jax and the packages.
+# 2. A smoke run of about 60 seconds into WORKDIR/smoke: the same config at 40 steps, one seed, no
+#    extra ladder rungs, 2 test batches, a small corpus. It must pass before the study starts.
+# 3. The study into WORKDIR (a re-run resumes from its cells).
+# 4. Deletes every checkpoint under WORKDIR (KEEP_CHECKPOINTS=1 keeps them), leaving what is small: the
+#    study's results.json, study.md, figures and per-cell metrics.
+# WORKDIR/gpu_study.log has the device, the versions, each command and its wall seconds, and the
+# outputs' size. WORKDIR defaults to runs/study_stacking_gpu. Extra arguments are gin bindings passed
+# to both runs (the smoke's own lengths, seeds and test batches win over them); the suite runs this
+# script at tiny sizes on the CPU with them. PYTHON picks the interpreter (default: python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 workdir="${1:-runs/study_stacking_gpu}"
 shift || true
 python="${PYTHON:-python}"
+config=gin/experiments/study_stacking_gpu.gin
+smoke_bindings=(
+  "--gin.StackingStudyConfig.steps=[40]"
+  "--gin.StackingStudyConfig.ladder_steps=[]"
+  "--gin.StackingStudyConfig.seeds=[0]"
+  "--gin.StackingStudyConfig.test_batches=2"
+  "--gin.StackingStudyConfig.growth_window=2"
+  "--gin.TrainerConfig.eval_batches=1"
+  "--gin.DataConfig.corpus_documents=20000"
+)
 mkdir -p "$workdir"
 log="$workdir/gpu_study.log"
+say() { echo "$*" | tee -a "$log"; }
+
 {
-  echo "start: $(date -u +%FT%TZ)"
-  "$python" -c "import jax; print('devices:', jax.devices())"
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-  echo "command: $python -m midas_jax study stacking --gin_file=gin/experiments/study_stacking_gpu.gin --workdir=$workdir $*"
-} | tee -a "$log"
-start=$(date +%s)
-"$python" -m midas_jax study stacking --gin_file=gin/experiments/study_stacking_gpu.gin --workdir="$workdir" \
-  --gin.TrainerConfig.progress_bar=False "$@"
-echo "wall seconds: $(( $(date +%s) - start ))" | tee -a "$log"
+  echo "start: $(date -u +%FT%TZ) on $(hostname)"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo 'not a git checkout')"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  else
+    echo "nvidia-smi: not found"
+  fi
+  "$python" - <<'EOF'
+import jax
+from midas_jax.versions import installed
+print("devices:", jax.devices())
+names = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt", "flax", "optax", "orbax-checkpoint",
+         "numpy", "midas_jax")
+print("versions:", " ".join(f"{k}={v}" for k, v in installed(names).items()))
+EOF
+} 2>&1 | tee -a "$log"
+
+# run_study NAME DIR BINDINGS...: the study into DIR, its command and wall seconds in the log.
+run_study() {
+  local name="$1" dir="$2"
+  shift 2
+  local cmd=("$python" -m midas_jax study stacking "--gin_file=$config" "--workdir=$dir"
+             "--gin.TrainerConfig.progress_bar=False" "$@")
+  say "$name command: ${cmd[*]}"
+  local start status
+  start=$(date +%s)
+  status=0
+  "${cmd[@]}" || status=$?
+  say "$name wall seconds: $(( $(date +%s) - start )) (exit $status)"
+  return "$status"
+}
+
+total_start=$(date +%s)
+if ! run_study smoke "$workdir/smoke" "$@" "${smoke_bindings[@]}"; then
+  say "the smoke run failed: the study was not started"
+  exit 1
+fi
+run_study study "$workdir" "$@"
+if [[ "${KEEP_CHECKPOINTS:-0}" != 1 ]]; then
+  find "$workdir" -type d -name checkpoints -prune -exec rm -rf {} +
+  say "checkpoints deleted (KEEP_CHECKPOINTS=1 keeps them)"
+fi
+say "total wall seconds: $(( $(date +%s) - total_start ))"
+say "outputs: $(du -sh "$workdir" | cut -f1) in $(find "$workdir" -type f | wc -l) files"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import platform
 import re
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -154,3 +155,17 @@ def slice_hosts(tpu: Tpu, chips: int) -> Tuple[int, int]:
   """(hosts, chips per host) of one slice: a single host up to `one_host_chips`, else HOST_CHIPS a host."""
   per_host = chips if chips <= tpu.one_host_chips else HOST_CHIPS
   return chips // per_host, per_host
+
+
+def cpu_model() -> str:
+  """The CPU's model name, with "AMX" where it has matrix tiles (they change bfloat16 results): the
+  device kind a CPU run's figures belong to."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      info = f.read()
+  except OSError:
+    return platform.processor() or platform.machine() or "cpu"
+  names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
+  flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
+  name = names[0] if names else (platform.processor() or "cpu")
+  return name + (" (AMX)" if " amx_tile" in flags else "")

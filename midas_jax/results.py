@@ -18,12 +18,14 @@ committed pages equal their re-rendering, so a figure in the docs is never typed
 
 from __future__ import annotations
 
+import datetime
 import json
 import pathlib
 import re
+import subprocess
 from typing import Any, Dict, List, Optional, Sequence
 
-from midas_jax import fs
+from midas_jax import fs, versions
 
 MARKED = re.compile(r"(<!-- table: (\S+) (\S+) -->\n)(.*?)(<!-- /table -->)", re.S)
 # Provenance shown in a table's caption, in this order; the file keeps the rest.
@@ -50,6 +52,34 @@ def _json(value: Any, indent: str = "") -> str:
     items = [f"{inner}{json.dumps(k)}: {_json(v, inner)}" for k, v in value.items()]
     return "{\n" + ",\n".join(items) + "\n" + indent + "}"
   return "[\n" + ",\n".join(inner + _json(v, inner) for v in value) + "\n" + indent + "]"
+
+
+PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
+
+
+def commit() -> str:
+  """The source tree's commit ("+changes" when it has uncommitted edits), or "unknown" outside a checkout."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                          check=True, timeout=10).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                           text=True, check=True, timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+  return head + ("+changes" if dirty else "")
+
+
+def provenance(device: str, **extra: Any) -> Dict[str, Any]:
+  """What produced a results file: the date, the commit, the device kind (a CPU's model: the same seed
+  gives different losses on different CPUs), the package versions, and `extra` (command, config)."""
+  return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "commit": commit(),
+          "device": device, "versions": versions.installed(PACKAGES), **extra}
+
+
+def dumps(value: Any) -> str:
+  """A results file's text (one line per table row)."""
+  return _json(value)
 
 
 def write(path, tables: Dict[str, Dict[str, Any]], provenance: Dict[str, Any]) -> None:

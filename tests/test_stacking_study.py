@@ -4,6 +4,7 @@ hand-made cells."""
 import dataclasses
 import functools
 import json
+import math
 import os
 
 import numpy as np
@@ -14,7 +15,8 @@ from midas_jax.checkpoint import load_model
 from midas_jax.data.factory import load_data
 from midas_jax.errors import ConfigError
 from midas_jax.model import Decoder
-from midas_jax.studies import stacking_config, stacking_study, stacking_study_page, study_arms
+from midas_jax.studies import (effective_speedup, stacking_config, stacking_study, stacking_study_page,
+                               stacking_study_summary, study_arms)
 from midas_jax.stacking.schedule import cumulative_flops, schedule_from_config
 
 TINY = ["--gin.ModelConfig.d_model=32", "--gin.ModelConfig.num_layers=2", "--gin.ModelConfig.num_heads=2",
@@ -31,13 +33,13 @@ TINY = ["--gin.ModelConfig.d_model=32", "--gin.ModelConfig.num_layers=2", "--gin
         "--gin.StackingStudyConfig.arms=['midas']"]
 
 
-def _loss_by_hand(workdir, step):
-  """A checkpoint's held-out loss from the Decoder itself: mean token cross-entropy under the loss weights over the
-  first eval_batches validation batches of its own run's data (no StageBuild, eval step or study code)."""
+def _loss_by_hand(config, workdir, step=None):
+  """A checkpoint's loss from the Decoder itself: mean token cross-entropy under the loss weights over the
+  eval_batches held-out batches of `config`'s data (no StageBuild, eval step or study code)."""
   ckpt = load_model(str(workdir), step)
-  _, pipeline = load_data(ckpt.config)
+  _, pipeline = load_data(config)
   model, total, weight = Decoder(ckpt.model_config), 0.0, 0.0
-  for i in range(ckpt.config.trainer.eval_batches):
+  for i in range(config.trainer.eval_batches):
     batch = pipeline.batch(i, "validation")
     logits = np.asarray(model.apply({"params": ckpt.params}, batch), np.float64)
     lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
@@ -47,16 +49,20 @@ def _loss_by_hand(workdir, step):
   return ckpt.model_config.num_layers, total / weight
 
 
-def test_the_study_trains_a_stacked_arm_measures_growth_on_its_own_batches_scores_and_resumes(tmp_path, repo_root,
-                                                                                              capsys, monkeypatch):
+STUDY = ["--gin.StackingStudyConfig.steps=[20]", "--gin.StackingStudyConfig.ladder_steps=[40]",
+         "--gin.StackingStudyConfig.arms=['baseline', 'midas']", "--gin.StackingStudyConfig.seeds=[1, 2]",
+         "--gin.StackingStudyConfig.matched_arms=['midas']", "--gin.StackingStudyConfig.test_batches=3",
+         "--gin.StackingStudyConfig.memory_questions=3", "--gin.StackingStudyConfig.evals_per_run=4"]
+
+
+def test_the_study_reads_each_arm_on_the_ladder_on_one_eval_set_and_resumes(tmp_path, repo_root, capsys, monkeypatch):
   gin_file = os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")
-  argv = ["study", "stacking", f"--gin_file={gin_file}", f"--workdir={tmp_path}"] + TINY
-  argv += ["--gin.StackingStudyConfig.seeds=[1, 2]"]  # overrides TINY's [1]
+  argv = ["study", "stacking", f"--gin_file={gin_file}", f"--workdir={tmp_path}"] + TINY + STUDY
   calls, real_train_cell = [], stacking_study.train_cell
 
   def train_cell(run, study, arm, seed, *args, cut_short=False, **kwargs):
-    calls.append((arm, seed))
-    if cut_short and seed == 2:
+    calls.append((run.trainer.num_steps, arm, seed))
+    if cut_short and len(calls) == 2:
       raise RuntimeError("cut short")
     return real_train_cell(run, study, arm, seed, *args, **kwargs)
 
@@ -64,51 +70,80 @@ def test_the_study_trains_a_stacked_arm_measures_growth_on_its_own_batches_score
   monkeypatch.setattr(stacking_study, "train_cell", functools.partial(train_cell, cut_short=True))
   with pytest.raises(RuntimeError, match="cut short"):
     cli.main(argv)
-  assert calls == [("midas", 1), ("midas", 2)] and not (tmp_path / "study.json").exists()
+  assert calls == [(20, "baseline", 1), (20, "baseline", 2)] and not (tmp_path / "results.json").exists()
   (first,) = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
-  assert (first["arm"], first["seed"]) == ("midas", 1)
   out = capsys.readouterr().out
-  assert "training midas seed 1" in out and "midas seed 1: eval loss" in out
-  # The re-run trains only the missing cell and keeps the finished one as it was.
+  assert "training baseline seed 1 at 20 steps" in out and "baseline seed 1: test loss" in out
+  # The re-run trains only the missing cells (the rate grid of one rate, the arms, then the ladder's rung).
   monkeypatch.setattr(stacking_study, "train_cell", train_cell)
   calls.clear()
   assert cli.main(argv) == 0
-  assert calls == [("midas", 2)]
-  assert "training midas seed 1" not in capsys.readouterr().out
-  result = json.loads((tmp_path / "study.json").read_text())
-  midas, second = result["cells"]
-  assert (midas["seed"], second["seed"]) == (1, 2) and second["arm"] == "midas"
-  assert midas == {k: v for k, v in first.items() if k != "settings"}
-  assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 2
-  # Prop-1 over 6 steps and 2 stages: (2, 4); the eval at step 2 is the loss just before growth, and
-  # the grown checkpoint's loss on the same batches the loss just after it.
-  assert (midas["arm"], midas["seed"], midas["steps"]) == ("midas", 1, 6)
-  assert [r["step"] for r in midas["eval_curve"]] == [2, 4, 6]
-  assert midas["eval_curve"][-1]["flops"] == midas["total_flops"]
+  assert calls == [(20, "baseline", 2), (20, "midas", 1), (20, "midas", 2), (40, "baseline", 1), (40, "baseline", 2)]
+  result = json.loads((tmp_path / "results.json").read_text())
+  cells = {(c["length"], c["arm"], c["seed"]): c for c in result["cells"]}
+  assert cells[(20, "baseline", 1)] == {k: v for k, v in first.items() if k not in ("settings", "growth_steps")}
+  midas = cells[(20, "midas", 1)]
   (growth,) = midas["growths"]
-  assert (growth["step"], growth["from_depth"], growth["to_depth"]) == (2, 1, 2)
-  before = midas["eval_curve"][0]["loss"]
-  assert growth["loss_before"] == before and growth["next_eval_step"] == 4
-  # Computed by hand, the final checkpoint's loss is the loop's last eval (so the hand route is the eval's loss),
-  # and the checkpoint at the growth step (the grown 2-layer state) gives the loss after growth.
-  workdir = tmp_path / "midas" / "seed1"
-  assert _loss_by_hand(workdir, 6) == (2, pytest.approx(midas["final_eval_loss"], abs=1e-5))
-  assert _loss_by_hand(workdir, 2) == (2, pytest.approx(growth["loss_after"], abs=1e-5))
-  assert abs(growth["loss_after"] - before) > 1e-3  # growth changed the function, so the check above can tell
-  # held_out_loss reads the same batches: seed 1's, not the gin default's.
-  assert midas["final_eval_loss_remeasured"] == pytest.approx(midas["final_eval_loss"], abs=1e-5)
-  assert set(midas["primitives"]) == {"assignment_depth0", "copying"}
-  fc = midas["primitives"]["copying"]["forced_choice"]
-  assert 0 <= fc["ci95"][0] <= fc["value"] <= fc["ci95"][1] <= 1 and fc["chance"] == pytest.approx(1 / 3)
-  jump = result["summary"]["lengths"][0]["growths"]["midas"][0]["jump"]
-  assert jump["values"] == [pytest.approx(g["growths"][0]["loss_after"] - g["eval_curve"][0]["loss"])
-                            for g in (midas, second)]
-  page = (tmp_path / "study.md").read_text()
-  for needle in ("equal FLOPs", "around each growth: midas", "forced_choice",
-                 "![loss_vs_flops](study/loss_vs_flops.png)"):
-    assert needle in page
-  for name in ("loss_vs_flops", "scores_vs_loss"):
-    assert (tmp_path / "study" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+  assert (growth["from_depth"], growth["to_depth"]) == (1, 2) and growth["loss_before"] is not None
+  # One eval set for everyone: both seeds' runs read identical held-out batches (validation and test halves, from
+  # the study's eval seed) while their training batches differ; the halves are different batches.
+  configs_ = {seed: load_model(str(tmp_path / "steps20" / "midas" / f"seed{seed}")).config for seed in (1, 2)}
+  pipes = {seed: load_data(c)[1] for seed, c in configs_.items()}
+  tests = {seed: load_data(study_arms.on_test_shard(c, 3))[1] for seed, c in configs_.items()}
+  for step in (0, 2):
+    for name in ("inputs", "targets", "loss_weights"):
+      assert np.array_equal(pipes[1].batch(step, "validation")[name], pipes[2].batch(step, "validation")[name])
+      assert np.array_equal(tests[1].batch(step, "validation")[name], tests[2].batch(step, "validation")[name])
+    assert not np.array_equal(pipes[1].batch(step, "train")["inputs"], pipes[2].batch(step, "train")["inputs"])
+    assert not np.array_equal(pipes[1].batch(step, "validation")["inputs"], tests[1].batch(step, "validation")["inputs"])
+  # The reported loss is the test half's, computed here by hand; the validation curve's last point is the other half.
+  test_config = study_arms.on_test_shard(configs_[1], 3)
+  assert _loss_by_hand(test_config, tmp_path / "steps20" / "midas" / "seed1") == (
+      2, pytest.approx(midas["test"]["loss"], abs=1e-5))
+  assert midas["test"]["batches"] == 3 and midas["test"]["se"] > 0
+  assert _loss_by_hand(configs_[1], tmp_path / "steps20" / "midas" / "seed1")[1] == pytest.approx(
+      midas["final_eval_loss"], abs=1e-5)
+  # The speedup is each seed's own ladder (baseline at 20 and 40 steps) read at the arm's test loss.
+  summary = result["summary"]
+  (speedup,) = summary["speedups"]
+  for row in speedup["per_seed"]:
+    ladder = [(cells[(n, "baseline", row["seed"])]["total_flops"], cells[(n, "baseline", row["seed"])]["test"]["loss"])
+              for n in (20, 40)]
+    mine = cells[(20, "midas", row["seed"])]
+    assert row == dict(effective_speedup.effective_speedup(ladder, mine["test"]["loss"], mine["total_flops"]),
+                       seed=row["seed"], text=row["text"], flops=mine["total_flops"], loss=mine["test"]["loss"])
+  assert [r["length"] for r in summary["ladder"]] == [20, 40]
+  # Results as data: provenance, tables, and a page rendered from the file alone.
+  said = result["provenance"]
+  assert said["device"] and said["commit"] and said["versions"]["jax"]
+  assert {"speedup", "gaps", "arms", "ladder", "matched"} <= set(result["tables"])
+  assert (tmp_path / "study.md").read_text() == stacking_study_page.markdown(result)
+  assert "Effective speedup" in (tmp_path / "study.md").read_text()
+  scored = [json.loads(line) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
+  assert len(scored) == 6 and set(scored[0]["scores"]) == {"primitives", "memorization"}
+  assert (tmp_path / "study" / "loss_vs_flops.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_edge_best_rate_grid_is_trained_past_its_edge():
+  """The study's rate choice on cells whose validation loss is a known function of the rate: best at 1e-2 (the top
+  edge) until a step past it shows the loss rising again."""
+  trained = []
+
+  class Cells:
+    def get(self, steps, arm, rate, seed):
+      trained.append((arm, rate, seed))
+      return {"final_eval_loss": (math.log10(rate) + 1.6) ** 2 + 0.1 * seed}  # lowest near 10^-1.6 = 0.025
+
+  study = stacking_config.StackingStudyConfig(seeds=(0, 1, 2), arms=("baseline",), steps=(200,),
+                                             learning_rates=(1e-3, 3e-3, 1e-2), rate_seeds=1, max_rate_extensions=1)
+  (choice,) = stacking_study.choose_rates(Cells(), study, 200, 3e-3, log=lambda line: None).values()
+  assert [r for _, r, _ in trained] == [1e-3, 3e-3, 1e-2, 3.33e-2]  # one step past the edge, on the first seed only
+  assert {s for _, _, s in trained} == {0}
+  assert choice["best"] == 3.33e-2 and choice["extensions"] == 1 and choice["bracketed"] is False
+  capped = dataclasses.replace(study, max_rate_extensions=3)
+  trained.clear()
+  (choice,) = stacking_study.choose_rates(Cells(), capped, 200, 3e-3, log=lambda line: None).values()
+  assert [r for _, r, _ in trained][3:] == [3.33e-2, 0.111] and choice["best"] == 3.33e-2 and choice["bracketed"]
 
 
 def test_every_arm_is_the_run_config_with_its_own_depth_steps_and_seed(repo_root):
@@ -146,18 +181,20 @@ def test_every_arm_is_the_run_config_with_its_own_depth_steps_and_seed(repo_root
 def test_a_rerun_reuses_the_cells_of_equal_settings_only(tmp_path, repo_root):
   from midas_jax.commands.study_commands import stacking_study_from_gin  # pylint: disable=import-outside-toplevel
   # pylint: disable=protected-access
-  settings, read, write = stacking_study._settings, stacking_study._read_cells, stacking_study._write_cells
+  settings, read, write = stacking_study._settings, stacking_study._read_rows, stacking_study._write_rows
   gin_file = os.path.join(repo_root, "gin", "experiments", "study_stacking_cpu.gin")
   run, study, _ = stacking_study_from_gin([gin_file], [])
   path = str(tmp_path / "cells.jsonl")
   key = (120, "midas", 3e-3, 0)
-  write(path, {key: _cell("midas", 0, 2.0, 1.0)}, settings(run, study))
+  write(path, {key: _cell("midas", 0, 2.0, 1.0, 120)}, settings(run, study))
   # Settings as a fresh parse computes them (tuples from gin, lists from JSON) compare equal; the
   # seeds, arms, lengths and rates pick cells, they are not settings.
   assert list(read(path, settings(run, study))) == [key]
   assert list(read(path, settings(run, dataclasses.replace(study, seeds=(5,))))) == [key]
   assert list(read(path, settings(run, dataclasses.replace(study, steps=(120, 480), learning_rates=(1e-3,))))) == [key]
-  assert not read(path, settings(run, dataclasses.replace(study, k_shot=1)))
+  assert list(read(path, settings(run, dataclasses.replace(study, k_shot=1, ladder_steps=(30,))))) == [key]  # scoring
+  assert not read(path, settings(run, dataclasses.replace(study, eval_seed=7)))  # another eval set
+  assert not read(path, settings(run, dataclasses.replace(study, test_batches=8)))
   assert not read(path, settings(dataclasses.replace(run, trainer=dataclasses.replace(run.trainer, num_steps=240)),
                                  study))
 
@@ -169,35 +206,55 @@ def test_bad_study_settings_are_named(tmp_path, repo_root, capsys):
   assert "seeds" in capsys.readouterr().err
   assert cli.main(args + ["--gin.StackingStudyConfig.arms=['baseline_equal_flops']"]) == 2
   assert "StackingStudyConfig.arms" in capsys.readouterr().err
-  assert cli.main(args + ["--gin.TrainerConfig.eval_every=5"]) == 2  # misses the boundaries 12, 36, 72
+  assert cli.main(args + ["--gin.StackingStudyConfig.ladder_steps=[120]"]) == 2  # a length already
+  assert "StackingStudyConfig.ladder_steps" in capsys.readouterr().err
+  assert cli.main(args + ["--gin.StackingStudyConfig.steps=[]", "--gin.TrainerConfig.eval_every=5"]) == 2
+  assert "StackingStudyConfig.ladder_steps" in capsys.readouterr().err  # a ladder needs the lengths listed
+  assert cli.main(args + ["--gin.StackingStudyConfig.steps=[]", "--gin.StackingStudyConfig.ladder_steps=[]",
+                          "--gin.TrainerConfig.eval_every=5"]) == 2  # misses the boundaries 12, 36, 72
   assert "TrainerConfig.eval_every" in capsys.readouterr().err
   with pytest.raises(ConfigError, match="StackingStudyConfig.seeds"):
     stacking_config.StackingStudyConfig(seeds=(0, 0))
 
 
-def _cell(arm, seed, loss, flops, curve=(), growths=(), fc=0.5):
-  scores = {s: {"value": fc, "ci95": [0, 1], "chance": 0.25} for s in stacking_study_page.SCORES}
-  return {"arm": arm, "seed": seed, "steps": 10, "length": 120, "learning_rate": 3e-3,
-          "total_flops": flops, "final_eval_loss": loss,
-          "train_seconds": 1.0, "eval_curve": list(curve), "growths": list(growths), "primitives": {"copying": scores}}
+def _cell(arm, seed, loss, flops, length, role="arm"):
+  return {"arm": arm, "seed": seed, "steps": length, "length": length, "learning_rate": 3e-3, "role": role,
+          "total_flops": flops, "final_eval_loss": loss + 0.01, "test": {"loss": loss, "se": 0.005, "tokens": 100},
+          "train_seconds": 1.0, "growths": [], "diverged": False, "device": "cpu"}
 
 
-def test_paired_differences_interpolation_and_resolution_on_hand_made_cells():
-  curve = [{"step": 5, "flops": 50.0, "loss": 3.0}, {"step": 10, "flops": 100.0, "loss": 2.0}]
-  growth = lambda before, after: {"step": 5, "from_depth": 1, "to_depth": 2, "loss_before": before,  # noqa: E731
-                                  "loss_after": after, "loss_next_eval": 2.5}
-  cells = [_cell("baseline", 0, 2.0, 100.0, curve), _cell("baseline", 1, 2.1, 100.0, curve),
-           _cell("midas", 0, 2.3, 75.0, growths=[growth(3.0, 3.4)]),
-           _cell("midas", 1, 2.4, 75.0, growths=[growth(3.1, 3.6)])]
-  study = stacking_config.StackingStudyConfig(seeds=(0, 1), arms=("baseline", "midas"))
-  summary = stacking_study_page.summarize(cells, study)
-  midas = summary["comparisons"]["midas"]
-  assert midas["minus_baseline_equal_steps"]["values"] == [pytest.approx(0.3), pytest.approx(0.3)]
-  assert midas["minus_baseline_equal_steps"]["resolved"]  # identical differences: a zero-width interval
-  assert midas["baseline_at_equal_flops"]["values"] == [pytest.approx(2.5)] * 2  # halfway between 3.0 and 2.0
-  assert midas["minus_baseline_at_equal_flops"]["values"] == [pytest.approx(-0.2), pytest.approx(-0.1)]
-  assert not midas["minus_baseline_at_equal_flops"]["resolved"]  # t(1) = 12.7: two seeds this noisy cannot
-  (g,) = summary["growths"]["midas"]
-  assert g["jump"]["values"] == [pytest.approx(0.4), pytest.approx(0.5)]
-  assert summary["arms"]["baseline"]["final_eval_loss"]["sd"] == pytest.approx(0.0707, abs=1e-4)
-  assert summary["primitives"]["midas"]["copying"]["forced_choice"]["chance"] == 0.25
+def _scores(fc, closed_book):
+  return {"primitives": {"copying": {"forced_choice": fc}, "psm": {"forced_choice": fc + 0.1}},
+          "memorization": {"closed_book": {"forced_choice": closed_book}}}
+
+
+def test_gaps_and_reasoning_against_memorization_at_matched_loss_on_hand_made_cells():
+  """Two seeds; the ladder's rungs at 1e12 and 4e12 FLOPs end at 3.0 and 2.0; MIDAS at 2e12 FLOPs ends at 2.5:
+  halfway in loss, so the baseline's scores there are the rungs' mean, and halfway in log-compute, so the
+  baseline needs exactly 2e12 FLOPs: a speedup of 1.0."""
+  cells, scores = [], {}
+  for seed in (0, 1):
+    for n, flops, loss, fc, memory in ((10, 1e12, 3.0, 0.2, 0.4), (40, 4e12, 2.0, 0.4, 0.6)):
+      cells.append(_cell("baseline", seed, loss, flops, n, "arm" if n == 10 else "ladder"))
+      scores[(n, "baseline", 3e-3, seed)] = _scores(fc, memory)
+    cells.append(_cell("midas", seed, 2.5, 2e12, 10))
+    scores[(10, "midas", 3e-3, seed)] = _scores(0.5 + 0.1 * seed, 0.5)
+  study = stacking_config.StackingStudyConfig(seeds=(0, 1), arms=("baseline", "midas"), steps=(10,),
+                                             ladder_steps=(40,), matched_arms=("midas",))
+  summary = stacking_study_summary.summarize(cells, {}, [], scores, study, tokens_per_step=100, params=10,
+                                             corpus_tokens=1000)
+  (speedup,) = summary["speedups"]
+  assert [r["value"] for r in speedup["per_seed"]] == [pytest.approx(1.0)] * 2
+  (gaps,) = summary["gaps"]
+  assert gaps["equal_steps"]["values"] == [pytest.approx(-0.5)] * 2  # 2.5 - 3.0
+  assert gaps["equal_flops"]["values"] == [pytest.approx(0.0, abs=1e-12)] * 2  # the ladder at 2e12 is 2.5
+  (matched,) = summary["matched"]
+  # Reasoning: the arm's mean forced choice (0.55, 0.65) minus the rungs' mean ((0.25 + 0.45) / 2 = 0.35);
+  # memorization: 0.5 minus (0.4 + 0.6) / 2 = 0.5, so the difference in differences is the reasoning gap.
+  assert matched["reasoning"]["values"] == [pytest.approx(0.2), pytest.approx(0.3)]
+  assert matched["memory"]["values"] == [pytest.approx(0.0, abs=1e-12)] * 2
+  assert matched["did"]["values"] == [pytest.approx(0.2), pytest.approx(0.3)]
+  assert matched["did"]["p_sign_flip"] == pytest.approx(0.5)  # two seeds, both positive: 2 of 4 patterns
+  assert summary["lengths"][0]["passes"] == pytest.approx(1.0) and summary["devices"] == ["cpu"]
+  tables = stacking_study_page.tables(dict(summary, rates={}, recheck=[]))
+  assert tables["speedup"]["rows"][0][4] == "1.00x, 1.00x"

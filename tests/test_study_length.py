@@ -21,6 +21,7 @@ from midas_jax.errors import ConfigError
 from midas_jax.stacking.schedule import cumulative_flops, schedule_from_config
 from midas_jax.studies import matched_loss, stacking_config, stacking_study, study_arms
 from midas_jax.train.build import build_stage
+from midas_jax.train.metrics import read_metrics
 
 
 def _length_study(repo_root, bindings=()):
@@ -64,11 +65,15 @@ def test_every_length_builds_each_arms_schedule_for_itself(repo_root):
     for arm, config in arms.items():
       assert (config.trainer.seed, config.data.seed) == (1, 1), arm
       assert config.model == run.model and config.optimizer.learning_rate == run.optimizer.learning_rate
-  # The matched-loss baseline keeps a save at every eval; the others at the boundaries and the end.
+  # Every arm keeps its boundaries' checkpoints and the final one; the ladder replaces per-eval saves.
   length = study_arms.length_run(run, 400, study.evals_per_run)
-  kept = study_arms.arm_config(length, "baseline", 0, vocab, learning_rate=1e-2, keep_every_eval=True)
-  assert (kept.checkpoint.every, kept.checkpoint.keep, kept.optimizer.learning_rate) == (40, 12, 1e-2)
-  assert study_arms.arm_config(length, "midas", 0, vocab).checkpoint.every == 0
+  for arm in study.arms:
+    assert study_arms.arm_config(length, arm, 0, vocab).checkpoint.every == 0
+  # With the study's eval seed, every seed reads the validation half of one eval set; the test half is the other.
+  one = study_arms.arm_config(length, "midas", 3, vocab, eval_seed=study.eval_seed)
+  assert (one.data.seed, one.data.eval_seed, one.data.heldout_shard) == (3, study.eval_seed, (0, 2))
+  assert study_arms.on_test_shard(one, 64).data.heldout_shard == (1, 2)
+  assert study_arms.on_test_shard(one, 64).trainer.eval_batches == 64
   # A length too short for 4 stages of 10 steps is refused, naming the setting.
   with pytest.raises(ConfigError, match="StackingStudyConfig.steps"):
     _length_study(repo_root, ["StackingStudyConfig.steps = [30, 200]"])
@@ -100,39 +105,27 @@ def test_the_ablation_arms_are_the_stacked_arm_with_one_growth_setting_changed(r
                               "StackingConfig.rewarm_steps = 50"])
 
 
-def test_the_rate_sweep_trains_every_arm_at_every_rate_first_then_each_at_its_best():
+def test_the_plan_trains_each_arm_at_its_best_rate_then_the_ladder_then_the_recheck():
   study = stacking_config.StackingStudyConfig(seeds=(0, 1), arms=("baseline", "midas"), steps=(200, 800),
-                                             learning_rates=(1e-3, 3e-3, 1e-2))
-  first = stacking_study.length_cells(study, 200, True, 3e-3, {})
-  assert len(first) == 2 * 2 * 3 and len(set(first)) == len(first)
-  assert {(a, r) for _, a, r, _ in first} == {(a, r) for a in ("baseline", "midas") for r in (1e-3, 3e-3, 1e-2)}
-  # Best by the mean over seeds; a rate at which one seed diverged ranks after every rate without one.
-  cell = lambda arm, rate, seed, loss: {"arm": arm, "learning_rate": rate, "seed": seed,  # noqa: E731
-                                        "final_eval_loss": loss, "diverged": loss is None}
-  losses = {("baseline", 1e-3): (2.5, 2.6), ("baseline", 3e-3): (2.2, 2.4), ("baseline", 1e-2): (None, 1.0),
-            ("midas", 1e-3): (2.7, 2.7), ("midas", 3e-3): (2.6, 2.9), ("midas", 1e-2): (2.5, 2.6)}
-  cells = [cell(a, r, s, v[s]) for (a, r), v in losses.items() for s in (0, 1)]
-  best = stacking_study.best_rates(cells, study.arms, [1e-3, 3e-3, 1e-2])
-  assert best == {"baseline": 3e-3, "midas": 1e-2}
-  longer = stacking_study.length_cells(study, 800, False, 3e-3, best)
-  assert longer == [(800, "baseline", 3e-3, 0), (800, "midas", 1e-2, 0), (800, "baseline", 3e-3, 1),
-                    (800, "midas", 1e-2, 1)]
+                                             ladder_steps=(100, 1200), learning_rates=(1e-3, 3e-3, 1e-2),
+                                             recheck_rates=True)
+  best = {"baseline": 3e-3, "midas": 1e-2}
+  plan = stacking_study.compared_plan(study, (200, 800), best, 3e-3)
+  assert plan[:4] == [(200, "baseline", 3e-3, 0, "arm"), (200, "midas", 1e-2, 0, "arm"),
+                      (200, "baseline", 3e-3, 1, "arm"), (200, "midas", 1e-2, 1, "arm")]
+  assert {(n, a, r) for n, a, r, _, role in plan if role == "arm" and n == 800} == {(800, "baseline", 3e-3),
+                                                                                      (800, "midas", 1e-2)}
+  assert [(n, a, r, s) for n, a, r, s, role in plan if role == "ladder"] == [
+      (100, "baseline", 3e-3, 0), (100, "baseline", 3e-3, 1), (1200, "baseline", 3e-3, 0), (1200, "baseline", 3e-3, 1)]
   fixed = dataclasses.replace(study, longer_rate="config")
-  assert {r for _, _, r, _ in stacking_study.length_cells(fixed, 800, False, 3e-3, best)} == {3e-3}
-  assert stacking_study.compared_rate(fixed, "midas", True, 3e-3, best) == 1e-2  # at the sweep: its best
-  # The grid on the page: every cell, the best bold, the diverged seed counted.
-  from midas_jax.studies import stacking_study_page as page  # pylint: disable=import-outside-toplevel
-  for c in cells:
-    c.update(length=200, steps=200, total_flops=1.0, train_seconds=1.0, eval_curve=[], growths=[], primitives={})
-  summary = page.summarize_study(cells, [c for c in cells if c["learning_rate"] == best[c["arm"]]], [], study,
-                                 best, tokens_per_step=2048, params=1000)
-  grid = summary["rate_grid"]
-  assert grid["baseline"][str(1e-2)]["diverged"] == 1 and grid["baseline"][str(1e-2)]["values"] == [1.0]
-  assert grid["midas"][str(3e-3)]["mean"] == pytest.approx(2.75)
-  (one,) = summary["lengths"]
-  assert one["tokens_per_param"] == pytest.approx(200 * 2048 / 1000)
-  assert one["comparisons"]["midas"]["minus_baseline_equal_steps"]["values"] == [pytest.approx(0.3),
-                                                                                pytest.approx(0.2)]
+  plan = stacking_study.compared_plan(fixed, (200, 800), best, 5e-3)
+  assert {r for n, a, r, _, _ in plan if n != 200} == {5e-3} and {r for n, a, r, _, _ in plan if n == 200} == {3e-3, 1e-2}
+  grids = {"baseline": {"0.001": [], "0.003": [], "0.01": []}, "midas": {"0.001": [], "0.003": [], "0.01": []}}
+  assert stacking_study.recheck_plan(study, (200, 800), best, 3e-3, grids) == [
+      (800, "baseline", 3e-3, 0), (800, "baseline", 1e-3, 0), (800, "baseline", 1e-2, 0),
+      (800, "midas", 1e-2, 0), (800, "midas", 3e-3, 0)]
+  assert stacking_study.recheck_plan(dataclasses.replace(study, recheck_rates=False), (200, 800), best, 3e-3,
+                                     grids) == []
 
 
 def test_the_matched_loss_readout_on_a_curve_whose_answer_is_known():
@@ -203,7 +196,9 @@ TINY = ["--gin.ModelConfig.d_model=32", "--gin.ModelConfig.num_layers=2", "--gin
         "--gin.StackingStudyConfig.evals_per_run=4", "--gin.StackingStudyConfig.seeds=[0]",
         "--gin.StackingStudyConfig.arms=['baseline', 'midas']", "--gin.StackingStudyConfig.growth_window=2",
         "--gin.StackingStudyConfig.score_examples=4", "--gin.StackingStudyConfig.k_shot=1",
-        "--gin.StackingStudyConfig.eval_batch_size=4", "--gin.StackingStudyConfig.tasks=['copying']"]
+        "--gin.StackingStudyConfig.eval_batch_size=4", "--gin.StackingStudyConfig.tasks=['copying']",
+        "--gin.StackingStudyConfig.ladder_steps=[20, 60]", "--gin.StackingStudyConfig.test_batches=2",
+        "--gin.DataConfig.corpus_documents=2000"]
 
 
 def test_the_gpu_study_script_runs_its_study_at_tiny_sizes_on_the_cpu(tmp_path, repo_root):
@@ -212,28 +207,28 @@ def test_the_gpu_study_script_runs_its_study_at_tiny_sizes_on_the_cpu(tmp_path, 
   done = subprocess.run(["bash", os.path.join(repo_root, "launch", "gpu_study.sh"), str(workdir)] + TINY,
                         env=env, capture_output=True, text=True, timeout=600, check=False)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  result = json.loads((workdir / "study.json").read_text())
-  cells = {c["arm"]: c for c in result["cells"]}
+  # The smoke run came first and passed; the study read MIDAS on the baseline's ladder; no checkpoint is left.
+  log = (workdir / "gpu_study.log").read_text()
+  assert log.index("smoke wall seconds") < log.index("study wall seconds") and "(exit 0)" in log
+  assert (workdir / "smoke" / "results.json").exists()
+  result = json.loads((workdir / "results.json").read_text())
+  cells = {(c["arm"], c["length"]): c for c in result["cells"]}
+  assert set(cells) == {("baseline", 30), ("midas", 30), ("baseline", 20), ("baseline", 60)}
+  (speedup,) = result["summary"]["speedups"]
+  assert speedup["arm"] == "midas" and len(speedup["per_seed"]) == 1
+  assert not list(workdir.rglob("checkpoints"))
   # The GPU config's settings reach the cells: dense attention, a final-depth residual init, the length.
   config = json.loads((workdir / "steps30" / "midas" / "seed0" / "config.json").read_text())
   assert (config["model"]["attention"], config["model"]["residual_init_depth"]) == ("dot_product", "final")
-  assert cells["midas"]["steps"] == cells["baseline"]["steps"] == 30 and cells["midas"]["eval_every"] == 5
-  # Prop-1 of 30 in 2 stages: growth before step 10 (10, 20 steps); the two steps either side are recorded.
-  probe = cells["midas"]["growth_steps"]
+  assert config["data"]["eval_seed"] == result["study"]["eval_seed"] and config["data"]["heldout_shard"] == [0, 2]
+  assert cells[("midas", 30)]["steps"] == 30 and cells[("midas", 30)]["eval_every"] == 5
+  # Prop-1 of 30 in 2 stages: growth before step 10 (10, 20 steps); the two steps either side are recorded
+  # (in the run's metrics: the results file keeps the growth's losses, not every step).
+  probe = read_metrics(str(workdir / "steps30" / "midas" / "seed0"), "growth")
   assert [r["offset"] for r in probe] == [-2, -1, 0, 1] and all(r["growth_step"] == 10 for r in probe)
   assert all(r["update_norm/copied"] > 0 and r["grad_norm"] > 0 for r in probe)
-  assert "update_norm/source" in probe[-1] and "update_norm/source" not in probe[0]
-  # The baseline kept every eval's save and was read at MIDAS's final loss (or said it never reached it).
-  saves = sorted(int(p) for p in os.listdir(workdir / "steps30" / "baseline" / "seed0" / "checkpoints") if p.isdigit())
-  assert saves == list(range(5, 31, 5))
-  (row,) = result["matched"]
-  assert row["target_loss"] == cells["midas"]["final_eval_loss"]
-  if row["bracket"] is not None:
-    a, b, w = row["bracket"]
-    assert b - a == 5 and 0 <= w <= 1 and set(row["scores"]) == {"copying"}
-  page = (workdir / "study.md").read_text()
-  assert "## The gap against training length" in page and "Primitives at matched held-out loss" in page
-  assert "wall seconds:" in (workdir / "gpu_study.log").read_text()
+  assert "Effective speedup" in (workdir / "study.md").read_text()
+  assert "wall seconds:" in log
 
 
 def test_the_growth_ablation_config_trains_the_default_job_at_its_outlier_seed(repo_root):

@@ -99,10 +99,12 @@ def _stacking(args, bindings) -> int:
   fs.write_text(fs.join(workdir, "operative_config.gin"), operative)
   lengths = list(study.steps) or [run.trainer.num_steps]
   rates = f" (x {len(study.learning_rates)} peak rates at {min(lengths)} steps)" if study.learning_rates else ""
-  print(f"stacking study: {len(study.arms)} arms{rates} x {len(study.seeds)} seeds x lengths {lengths} steps "
+  ladder = f", the baseline also at {sorted(study.ladder_steps)} steps" if study.ladder_steps else ""
+  print(f"stacking study: {len(study.arms)} arms{rates} x {len(study.seeds)} seeds x lengths {lengths} steps{ladder} "
         f"into {workdir}", flush=True)
   start = time.time()
   result = stacking_study.run_study(run, study, workdir, operative, log=lambda line: print(line, flush=True))
-  print(stacking_study_page.printable(result, run))
-  print(f"page: {fs.join(workdir, 'study.md')} ({time.time() - start:.0f} s)")
+  print(stacking_study_page.printable(result))
+  print(f"page: {fs.join(workdir, 'study.md')}, results: {fs.join(workdir, 'results.json')} "
+        f"({time.time() - start:.0f} s)")
   return 0

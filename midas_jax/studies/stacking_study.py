@@ -1,57 +1,56 @@
-"""The multi-seed stacking study: lengths x arms x learning rates x seeds, and what each cell measured.
+"""The multi-seed stacking study: how much compute growth saves to reach the baseline's loss.
 
-One run config (model, data, optimizer, and the stacked schedule in StackingConfig) gives every
-arm (studies/study_arms.py); a StackingStudyConfig (studies/stacking_config.py) says which lengths, arms,
-rates and seeds:
+One run config (model, data, optimizer, and the stacked schedule in StackingConfig) gives every arm
+(studies/study_arms.py); a StackingStudyConfig (studies/stacking_config.py) says which lengths, arms,
+rates and seeds. The study runs in four parts, each resumable from DIR/cells.jsonl:
 
-  steps           the training lengths (empty: the run config's TrainerConfig.num_steps alone, with
-                  its own warm-up and eval_every); at each, every arm's schedule is built for it
-  learning_rates  peak rates swept for every arm at the shortest length (empty: the config's);
-                  longer lengths train each arm at its own best rate there (longer_rate "best") or at
-                  the config's ("config")
-  arms            baseline, baseline_equal_flops, and stacked arms such as midas, gradstack,
-                  midas_zero_moments, midas_rewarm (study_arms.py)
+  rates    at the shortest length every arm trains at every rate of the grid (on the grid's seeds),
+           ranked by final loss on the validation shard; a best rate on the grid's edge extends the grid
+           (studies/rate_choice.py)
+  arms     at every length every arm trains at its rate, on every seed
+  ladder   the baseline also trains at ladder_steps: with its runs at the lengths, the ladder of
+           complete runs the effective speedup is read on (studies/effective_speedup.py)
+  recheck  at the longest length each arm also trains at its best rate's neighbours (the first seed)
 
-Each (length, arm, rate, seed) is a cell: a `midas train` run (TrainerConfig.seed and DataConfig.seed
-both set to the seed, so a seed changes the initialization and the data order; the arms of one seed
-see the same data), then measured:
-  eval_curve     the held-out loss at every eval step, with the FLOPs spent by then
-  growths        the held-out loss just before each growth (the eval at the boundary, which the
-                 eval cadence hits) and just after it (the grown state's checkpoint, evaluated on the
-                 same batches), then at the next eval
-  growth_steps   growth_window steps either side of each growth, one by one: loss, gradient norm and
-                 the update norm of the copied block (train/growth_probe.py)
-  primitives     primitive_scores.py's four scores per primitive on the final checkpoint
-Then, with matched_arms, the baseline (which keeps a checkpoint at every eval) is read at each such
-arm's final held-out loss: its primitive scores interpolated between the two bracketing saves
-(matched_loss.py), into DIR/matched.jsonl.
-Cells are written to DIR/cells.jsonl as they finish; a re-run with the same settings resumes (adding
-a length, seed or rate trains only the new cells). The summary (stacking_study_page.py) is
-DIR/study.json, DIR/study.md and its figures.
+Each (length, arm, rate, seed) is a cell: a `midas train` run (TrainerConfig.seed and DataConfig.seed set
+to the seed: the initialization and the training rows; the held-out batches come from the study's
+eval_seed, the same for every cell), then measured:
+  eval_curve     the validation loss at every eval step, with the FLOPs spent by then
+  growths        the validation loss just before each growth (the eval at the boundary, which the
+                 eval cadence hits), just after it (the grown state's checkpoint), and at the next eval
+  growth_steps   growth_window steps either side of each growth, one by one (train/growth_probe.py)
+  test_loss      the final checkpoint's loss on test_batches batches of the test shard, and its
+                 standard error over batches (the reported loss)
+Then, with StackingStudyConfig.score, every compared run's final checkpoint is scored (primitives and
+memorization, DIR/scores.jsonl). The summary (stacking_study_summary.py) is written as DIR/results.json
+(provenance, tables, cells) and rendered into DIR/study.md (stacking_study_page.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
+import numpy as np
 
-from midas_jax import flops, fs
+from midas_jax import flops, fs, hardware, results
 from midas_jax.checkpoint import load_model
 from midas_jax.checkpoint.metadata import config_to_dict
 from midas_jax.configs import RunConfig
 from midas_jax.data.factory import load_data
 from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.errors import NonFiniteLossError, require
-from midas_jax.evals import primitive_scores
+from midas_jax.evals import memorization_scores, primitive_scores
 from midas_jax.stacking.checks import schedule_for
-from midas_jax.studies import matched_loss
+from midas_jax.studies import rate_choice
 from midas_jax.studies import stacking_study_page as page
+from midas_jax.studies import stacking_study_summary as summary_lib
 from midas_jax.studies.stacking_config import STACKED, StackingStudyConfig
-from midas_jax.studies.study_arms import arm_config, length_run, parse_arm
+from midas_jax.studies.study_arms import arm_config, length_run, on_test_shard, parse_arm
 from midas_jax.train.build import build_stage
 from midas_jax.train.metrics import read_metrics
 from midas_jax.train.run import train
@@ -70,6 +69,12 @@ def check_run_config(run: RunConfig, study: Optional[StackingStudyConfig] = None
             f"is {getattr(st, name)!r}, but in the study each arm's name sets it (midas: {default!r})",
             f"leave StackingConfig.{name} at {default!r} and list an ablation arm, e.g. midas_zero_moments or "
             "midas_rewarm")
+  require(run.data.source != "prepared", "DataConfig.source",
+          "is 'prepared', but the study cuts the held-out split into validation and test halves, which a store "
+          "does not support", "run the study on an in-memory source (builtin, text, seqio)")
+  require(study is None or not study.ladder_steps or bool(study.steps), "StackingStudyConfig.ladder_steps",
+          "are set, but steps is empty (the run config's own length is not a ladder rung)",
+          "list the lengths in StackingStudyConfig.steps too")
   lengths = study.lengths(run) if study else (None,)
   for steps in lengths:
     if steps is not None:
@@ -91,12 +96,30 @@ def check_run_config(run: RunConfig, study: Optional[StackingStudyConfig] = None
               "pick an eval_every that divides every boundary, or set StackingConfig.stage_steps to multiples of it")
 
 
+# ---------------------------------------------------------------------------------------------
+# Measuring one run
+
+
 def held_out_loss(config: RunConfig, params, depth: int, data) -> float:
-  """The held-out loss of `params` (a model of `depth` layers) on the batches the train loop evaluates."""
+  """The loss of `params` (a model of `depth` layers) on the batches the train loop evaluates."""
+  return held_out_batches(config, params, depth, data)["loss"]
+
+
+def held_out_batches(config: RunConfig, params, depth: int, data) -> Dict[str, Any]:
+  """The loss of `params` on the config's eval_batches held-out batches, and its standard error: the
+  batches are independent draws, so the sd of their losses over sqrt(batches)."""
   build = build_stage(config, data=data, num_layers=depth)
+  sums, tokens = [], []
   with build.context():
     params = jax.device_put(params, build.layout.shardings.params)
-    return build.evaluate(build.jit_eval_step(), params)["loss"]
+    eval_step = build.jit_eval_step()
+    for i in range(config.trainer.eval_batches):
+      aux = jax.device_get(eval_step(params, build.device_batch(i, "validation")))
+      sums.append(float(np.sum(aux["objective_loss_sum"])))
+      tokens.append(float(aux["tokens"]))
+  per_batch = [s / max(t, 1e-9) for s, t in zip(sums, tokens)]
+  se = float(np.std(per_batch, ddof=1) / math.sqrt(len(per_batch))) if len(per_batch) > 1 else None
+  return {"loss": sum(sums) / max(sum(tokens), 1e-9), "se": se, "batches": len(per_batch), "tokens": sum(tokens)}
 
 
 def _growth_losses(config: RunConfig, workdir: str, growths: List[dict], evals: List[dict], data) -> List[dict]:
@@ -113,44 +136,28 @@ def _growth_losses(config: RunConfig, workdir: str, growths: List[dict], evals: 
   return out
 
 
-def arm_run(run: RunConfig, arm: str, seed: int, learning_rate: Optional[float] = None,
-            keep_every_eval: bool = False):
-  """(the cell's run config, its (vocabulary, pipeline)): the data of the arm's own DataConfig.seed,
-  whose held-out batches are the ones the train loop evaluates on."""
-  config = arm_config(run, arm, seed, make_vocabulary(run.data).vocab_size, learning_rate, keep_every_eval)
-  return config, load_data(config)
-
-
-def score_primitives(study: StackingStudyConfig, loaded) -> Dict[str, Any]:
-  """primitive_scores.py's scores per task of a loaded checkpoint."""
-  options = {"k_shot": study.k_shot, "score_examples": study.score_examples, "seed": 0,
-             "tasks": list(study.tasks) if study.tasks else None, "batch_size": study.eval_batch_size}
-  context_len = min(loaded.config.data.seq_len, loaded.model_config.max_seq_len)
-  scores = primitive_scores.evaluate(loaded.params, loaded.model_config, loaded.vocab, context_len, options)["tasks"]
-  return {name: t["scores"] for name, t in scores.items()}
+def device_kind() -> str:
+  """What measured a cell: the accelerator's kind, or the CPU's model (losses differ between CPU models)."""
+  device = jax.devices()[0]
+  return hardware.cpu_model() if device.platform == "cpu" else device.device_kind
 
 
 def train_cell(run: RunConfig, study: StackingStudyConfig, arm: str, seed: int, workdir: str,
-               operative_config: str = "", learning_rate: Optional[float] = None,
-               keep_every_eval: bool = False) -> Dict[str, Any]:
+               operative_config: str = "", learning_rate: Optional[float] = None) -> Dict[str, Any]:
   """Trains one cell (resuming a run its workdir holds) of a length's run config and measures it.
-
-  `final_eval_loss_remeasured` is the final checkpoint's loss measured as the loss after each
-  growth is (held_out_loss); it equals the loop's last eval when both read the same batches. A run
-  whose loss turns non-finite (a rate too high) is a cell with `diverged` set and no scores.
-  """
-  config, data = arm_run(run, arm, seed, learning_rate, keep_every_eval)
-  rate = config.optimizer.learning_rate
-  cell = {"arm": arm, "seed": seed, "steps": config.trainer.num_steps, "learning_rate": rate,
+  A run whose loss turns non-finite (a rate too high) is a cell with `diverged` set and no losses."""
+  vocab_size = make_vocabulary(run.data).vocab_size
+  config = arm_config(run, arm, seed, vocab_size, learning_rate, eval_seed=study.eval_seed)
+  data = load_data(config)
+  cell = {"arm": arm, "seed": seed, "steps": config.trainer.num_steps, "learning_rate": config.optimizer.learning_rate,
           "length": run.trainer.num_steps, "warmup_steps": config.optimizer.warmup_steps,
-          "eval_every": config.trainer.eval_every, "workdir": workdir, "diverged": False}
+          "eval_every": config.trainer.eval_every, "workdir": workdir, "diverged": False, "device": device_kind()}
   start = time.time()
   try:
     result = train(config, workdir, operative_config=operative_config, growth_window=study.growth_window)
   except NonFiniteLossError as e:
-    return dict(cell, diverged=True, error=str(e), final_eval_loss=None, total_flops=None, eval_curve=[],
-                growths=[], growth_steps=[], primitives={}, train_seconds=None,
-                wall_seconds=round(time.time() - start, 1))
+    return dict(cell, diverged=True, error=str(e), final_eval_loss=None, test=None, total_flops=None, eval_curve=[],
+                growths=[], growth_steps=[], train_seconds=None, wall_seconds=round(time.time() - start, 1))
   trained = time.time() - start
   evals = [{"step": r["step"], "loss": r["loss"], "flops": r["cumulative_flops"]}
            for r in read_metrics(workdir, "eval")]
@@ -158,25 +165,53 @@ def train_cell(run: RunConfig, study: StackingStudyConfig, arm: str, seed: int, 
   start = time.time()
   growths = _growth_losses(config, workdir, result.growths, evals, data)
   final = load_model(workdir)
-  remeasured = held_out_loss(config, final.params, final.model_config.num_layers, data)
+  test = on_test_shard(config, study.test_batches)
+  measured = held_out_batches(test, final.params, final.model_config.num_layers, load_data(test))
   return dict(cell, total_flops=train_rows[-1]["cumulative_flops"], final_eval_loss=evals[-1]["loss"],
-              final_eval_loss_remeasured=remeasured, final_train_loss=result.final_loss, eval_curve=evals,
-              growths=growths, growth_steps=[{k: v for k, v in r.items() if k != "split"}
-                                             for r in read_metrics(workdir, "growth")],
-              primitives=score_primitives(study, final), train_seconds=round(result.train_seconds, 1),
-              wall_seconds=round(trained + time.time() - start, 1))
+              test=measured, final_train_loss=result.final_loss, eval_curve=evals, growths=growths,
+              growth_steps=[{k: v for k, v in r.items() if k != "split"} for r in read_metrics(workdir, "growth")],
+              train_seconds=round(result.train_seconds, 1), wall_seconds=round(trained + time.time() - start, 1))
+
+
+def score_checkpoint(study: StackingStudyConfig, loaded) -> Dict[str, Any]:
+  """The primitives' and memorization's scores of a loaded checkpoint: {suite: {task: {score: value}}}."""
+  options = {"k_shot": study.k_shot, "score_examples": study.score_examples, "seed": 0,
+             "tasks": list(study.tasks) if study.tasks else None, "batch_size": study.eval_batch_size}
+  context_len = min(loaded.config.data.seq_len, loaded.model_config.max_seq_len)
+  reasoning = primitive_scores.evaluate(loaded.params, loaded.model_config, loaded.vocab, context_len, options)
+  out = {"primitives": {name: {k: v["value"] for k, v in t["scores"].items()} for name, t in reasoning["tasks"].items()},
+         "memorization": {}}
+  if loaded.config.data.source == "builtin":  # the facts of the built-in corpus's world
+    memory = memorization_scores.evaluate(loaded.params, loaded.model_config, loaded.vocab, context_len,
+                                          dict(options, score_examples=study.memory_questions),
+                                          corpus_seed=loaded.config.data.corpus_seed)
+    out["memorization"] = {name: {k: v["value"] for k, v in c["scores"].items()}
+                           for name, c in memory["conditions"].items()}
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Cells on disk: a re-run with the same settings resumes
 
 
 def _settings(run: RunConfig, study: StackingStudyConfig) -> Dict[str, Any]:
   """What a cell's result depends on besides its key: a re-run reuses cells only if equal.
 
   In JSON form (tuples as lists), as cells.jsonl stores it, so that equal settings compare equal.
-  The grids (seeds, arms, lengths, rates) pick cells; they are not settings.
+  The grids (seeds, arms, lengths, rates) pick cells, and scoring happens after training: neither is
+  a setting.
   """
   d = dataclasses.asdict(study)
-  for grid in ("seeds", "arms", "steps", "learning_rates", "longer_rate", "matched_arms"):
+  for grid in ("seeds", "arms", "steps", "ladder_steps", "learning_rates", "rate_seeds", "max_rate_extensions",
+               "recheck_rates", "longer_rate", "matched_arms", "score", "k_shot", "score_examples",
+               "memory_questions", "tasks", "eval_batch_size"):
     d.pop(grid)
   return json.loads(json.dumps({"run": config_to_dict(run), "study": d}))
+
+
+def _score_settings(study: StackingStudyConfig) -> Dict[str, Any]:
+  return json.loads(json.dumps({k: getattr(study, k) for k in ("k_shot", "score_examples", "memory_questions",
+                                                                  "tasks")}))
 
 
 def _key(row: Dict[str, Any]) -> Key:
@@ -197,140 +232,154 @@ def _write_rows(path: str, rows: Dict[Key, Dict[str, Any]], settings: Dict[str, 
   fs.write_text(path, "".join(json.dumps(dict(c, settings=settings)) + "\n" for c in rows.values()))
 
 
-_read_cells, _write_cells = _read_rows, _write_rows
-
-
-def best_rates(cells: List[Dict[str, Any]], arms, rates) -> Dict[str, float]:
-  """Per arm, the rate of lowest mean final held-out loss over its seeds; a rate at which a seed diverged
-  ranks after every rate at which none did (then by the mean of the seeds that did not)."""
-  best = {}
-  for arm in arms:
-    def rank(rate):
-      mine = [c for c in cells if c["arm"] == arm and c["learning_rate"] == rate]
-      losses = [c["final_eval_loss"] for c in mine if not c.get("diverged")]
-      diverged = len(losses) < len(mine) or not losses
-      return (diverged, sum(losses) / len(losses) if losses else float("inf"))
-    best[arm] = min(rates, key=rank)
-  return best
-
-
-def length_cells(study: StackingStudyConfig, steps: int, first: bool, config_rate: float,
-                 best: Dict[str, float]) -> List[Key]:
-  """The cells of one length, in training order: at the first (shortest) length every arm at every swept
-  rate; at a longer one each arm at its best rate there (longer_rate "best") or at the config's."""
-  sweep = study.learning_rates or (config_rate,)
-  keys = []
-  for seed in study.seeds:
-    for arm in study.arms:
-      rates = sweep if first else ((best[arm],) if study.longer_rate == "best" else (config_rate,))
-      keys += [(steps, arm, float(r), seed) for r in rates]
-  return keys
-
-
-def compared_rate(study: StackingStudyConfig, arm: str, first: bool, config_rate: float,
-                  best: Dict[str, float]) -> float:
-  """The rate an arm is compared at: its best at the first length (and at every length with longer_rate
-  "best"), else the config's."""
-  return float(best[arm] if first or study.longer_rate == "best" else config_rate)
-
-
 def _cell_dir(workdir: str, study: StackingStudyConfig, steps: int, arm: str, rate: float, seed: int) -> str:
   parts = ([f"steps{steps}"] if study.steps else []) + [arm]
   parts += [f"lr{rate:g}"] if study.learning_rates else []
   return fs.join(workdir, *parts, f"seed{seed}")
 
 
-def _checkpoint_scores(study: StackingStudyConfig, baseline: Dict[str, Any], step: int) -> Dict[str, Any]:
-  """The primitive scores of the baseline's checkpoint at `step`, cached beside it (several arms share)."""
-  path = fs.join(baseline["workdir"], "primitive_scores.json")
-  cache = json.loads(fs.read_text(path)) if fs.isfile(path) else {}
-  if str(step) not in cache:
-    cache[str(step)] = score_primitives(study, load_model(baseline["workdir"], step))
-    fs.write_json(path, cache)
-  return cache[str(step)]
+# ---------------------------------------------------------------------------------------------
+# The study
 
 
-def matched_row(study: StackingStudyConfig, cell: Dict[str, Any], baseline: Dict[str, Any]) -> Dict[str, Any]:
-  """The baseline read at the cell's final held-out loss: the bracketing evals and the interpolated scores."""
-  target = cell["final_eval_loss"]
-  row = {"arm": cell["arm"], "seed": cell["seed"], "length": cell["length"], "learning_rate": cell["learning_rate"],
-         "baseline_learning_rate": baseline["learning_rate"], "target_loss": target, "bracket": None,
-         "baseline_step": None, "scores": None, "arm_scores": cell["primitives"]}
-  found = None if target is None or baseline.get("diverged") else matched_loss.bracket(baseline["eval_curve"], target)
-  if found is None:
-    return row
-  a, b, w = found
-  scores = matched_loss.interpolate({t: {k: v["value"] for k, v in s.items()}
-                                     for t, s in _checkpoint_scores(study, baseline, a).items()},
-                                    {t: {k: v["value"] for k, v in s.items()}
-                                     for t, s in _checkpoint_scores(study, baseline, b).items()}, w)
-  return dict(row, bracket=[a, b, w], baseline_step=a + w * (b - a), scores=scores)
+class _Cells:
+  """The study's cells: trained on first use, kept in DIR/cells.jsonl (whole-file writes: a kill loses no
+  finished cell)."""
+
+  def __init__(self, run: RunConfig, study: StackingStudyConfig, workdir: str, operative_config: str,
+               log: Callable[[str], None]):
+    self.run, self.study, self.workdir, self.operative, self.log = run, study, workdir, operative_config, log
+    self.settings = _settings(run, study)
+    self.path = fs.join(workdir, "cells.jsonl")
+    self.done = _read_rows(self.path, self.settings)
+    self.visited: List[Key] = []
+
+  def get(self, steps: Optional[int], arm: str, rate: float, seed: int) -> Dict[str, Any]:
+    length = length_run(self.run, steps, self.study.evals_per_run)
+    key = (length.trainer.num_steps, arm, float(rate), seed)
+    if key not in self.visited:
+      self.visited.append(key)
+    if key not in self.done:
+      n = key[0]
+      self.log(f"training {arm} seed {seed}" + (f" at {n} steps" if self.study.steps else "")
+               + (f", peak rate {rate:g}" if self.study.learning_rates else ""))
+      cell = train_cell(length, self.study, arm, seed, _cell_dir(self.workdir, self.study, n, arm, rate, seed),
+                        self.operative, learning_rate=rate)
+      self.done[key] = cell
+      _write_rows(self.path, self.done, self.settings)
+      self.log(f"{arm} seed {seed}: " + ("diverged" if cell["diverged"] else
+                                         f"test loss {cell['test']['loss']:.4f} ± {cell['test']['se'] or 0:.4f}")
+               + f" after {cell['steps']} steps, {cell['total_flops'] or 0:.3e} FLOPs ({cell['wall_seconds']}s)")
+    return self.done[key]
+
+
+def choose_rates(cells: _Cells, study: StackingStudyConfig, shortest: Optional[int], config_rate: float,
+                 log: Callable[[str], None]) -> Dict[str, Dict[str, Any]]:
+  """Per arm: the grid it trained at the shortest length (each rate's validation losses over the grid's
+  seeds), extended past an edge-best rate up to the cap; its best rate, and whether it is bracketed."""
+  seeds = study.seeds[:study.rate_seeds] if study.rate_seeds else study.seeds
+  out = {}
+  for arm in study.arms:
+    rates = list(study.learning_rates or (config_rate,))
+    grid: Dict[float, List[Optional[float]]] = {}
+    extensions = 0
+    while True:
+      for rate in rates:
+        if rate not in grid:
+          grid[rate] = [cells.get(shortest, arm, rate, s)["final_eval_loss"] for s in seeds]
+      nxt = rate_choice.extension(grid)
+      if nxt is None or extensions >= study.max_rate_extensions:
+        break
+      log(f"{arm}: best rate {rate_choice.best_rate(grid):g} is on the grid's edge; extending to {nxt:g}")
+      rates.append(nxt)
+      extensions += 1
+    out[arm] = {"grid": {str(r): grid[r] for r in sorted(grid)}, "best": rate_choice.best_rate(grid),
+                "bracketed": rate_choice.bracketed(grid) if len(grid) > 1 else None, "extensions": extensions,
+                "seeds": list(seeds)}
+  return out
+
+
+def compared_plan(study: StackingStudyConfig, lengths: Sequence[Optional[int]], best: Dict[str, float],
+                  config_rate: float) -> List[Tuple[Optional[int], str, float, int, str]]:
+  """(length, arm, rate, seed, role) of every run the study compares, in training order: every arm at every
+  length (role "arm"), at its best rate at the first and, with longer_rate "best", at every length; then the
+  baseline at the ladder's extra lengths (role "ladder"), at the rate it trains at beyond the first length."""
+  def rate(arm: str, first: bool) -> float:
+    return float(best[arm] if first or study.longer_rate == "best" else config_rate)
+
+  plan = [(steps, arm, rate(arm, i == 0), seed, "arm")
+          for i, steps in enumerate(lengths) for seed in study.seeds for arm in study.arms]
+  if "baseline" in study.arms:
+    plan += [(steps, "baseline", rate("baseline", False), seed, "ladder")
+             for steps in sorted(study.ladder_steps) for seed in study.seeds]
+  return plan
+
+
+def recheck_plan(study: StackingStudyConfig, lengths: Sequence[Optional[int]], best: Dict[str, float],
+                 config_rate: float, grids: Dict[str, Dict[str, Any]]) -> List[Tuple[Optional[int], str, float, int]]:
+  """(length, arm, rate, seed): at the longest length, each arm at its rate there and at the grid's rates either
+  side of its best, on the first seed (none without recheck_rates, a grid, or a second length)."""
+  if not (study.recheck_rates and study.learning_rates and len(lengths) > 1):
+    return []
+  plan = []
+  for arm in study.arms:
+    chosen = float(best[arm] if study.longer_rate == "best" else config_rate)
+    for rate in [chosen] + list(rate_choice.neighbours([float(r) for r in grids[arm]], best[arm])):
+      plan.append((lengths[-1], arm, rate, study.seeds[0]))
+  return plan
+
+
+def run_study(run: RunConfig, study: StackingStudyConfig, workdir: str, operative_config: str = "",
+              log: Callable[[str], None] = print) -> Dict[str, Any]:
+  """Trains and measures every missing cell (rates, arms, ladder, recheck), scores the compared runs,
+  then writes results.json and study.md."""
+  check_run_config(run, study)
+  fs.makedirs(workdir)
+  started = time.time()
+  cells = _Cells(run, study, workdir, operative_config, log)
+  config_rate = run.optimizer.learning_rate
+  lengths = study.lengths(run)
+  rates = choose_rates(cells, study, lengths[0], config_rate, log)
+  best = {arm: r["best"] for arm, r in rates.items()}
+  compared = [dict(cells.get(steps, arm, rate, seed), role=role)
+              for steps, arm, rate, seed, role in compared_plan(study, lengths, best, config_rate)]
+  recheck = [cells.get(*key) for key in recheck_plan(study, lengths, best, config_rate,
+                                                     {arm: r["grid"] for arm, r in rates.items()})]
+  scores = _scores(study, workdir, [c for c in compared if not c["diverged"]], log) if study.score else {}
+  summary = summary_lib.summarize(compared, rates, recheck, scores, study, tokens_per_step=run.data.batch_size
+                                  * run.data.seq_len, params=_model_params(run), corpus_tokens=_corpus_tokens(run))
+  every = [cells.done[k] for k in cells.visited]
+  summary["wall_seconds_this_call"] = round(time.time() - started, 1)
+  summary["cell_wall_seconds"] = round(sum(c["wall_seconds"] for c in every), 1)
+  result = page.results_file(summary, every, run, study, operative_config)
+  result["figures"] = page.plot_all(compared, workdir, summary)
+  fs.write_text(fs.join(workdir, "results.json"), results.dumps(result) + "\n")
+  fs.write_text(fs.join(workdir, "study.md"), page.markdown(result))
+  return result
+
+
+def _scores(study: StackingStudyConfig, workdir: str, cells: Sequence[Dict[str, Any]],
+            log: Callable[[str], None]) -> Dict[Key, Dict[str, Any]]:
+  """Each cell's final checkpoint's scores, cached in DIR/scores.jsonl under the scoring settings."""
+  path, settings = fs.join(workdir, "scores.jsonl"), _score_settings(study)
+  done = _read_rows(path, settings)
+  for cell in cells:
+    key = _key(cell)
+    if key not in done:
+      log(f"scoring {cell['arm']} seed {cell['seed']} at {cell['length']} steps")
+      done[key] = dict(length=cell["length"], arm=cell["arm"], learning_rate=cell["learning_rate"], seed=cell["seed"],
+                       scores=score_checkpoint(study, load_model(cell["workdir"])))
+      _write_rows(path, done, settings)
+  return {k: v["scores"] for k, v in done.items()}
 
 
 def _model_params(run: RunConfig) -> int:
   return flops.param_counts(run.model.with_vocab(make_vocabulary(run.data).vocab_size))["total"]
 
 
-def run_study(run: RunConfig, study: StackingStudyConfig, workdir: str, operative_config: str = "",
-              log: Callable[[str], None] = print) -> Dict[str, Any]:
-  """Trains and measures every missing cell, length by length (the shortest first: its rate sweep picks
-  the longer lengths' rates), reads the baseline at matched loss, then writes study.json, study.md and
-  the figures."""
-  check_run_config(run, study)
-  fs.makedirs(workdir)
-  settings = _settings(run, study)
-  cells_path, matched_path = fs.join(workdir, "cells.jsonl"), fs.join(workdir, "matched.jsonl")
-  done, matched_done = _read_rows(cells_path, settings), _read_rows(matched_path, settings)
-  started = time.time()
-  config_rate = run.optimizer.learning_rate
-  sweep = study.learning_rates or (config_rate,)
-  lengths = study.lengths(run)
-  best: Dict[str, float] = {}
-  visited: List[Key] = []
-  chosen: List[Dict[str, Any]] = []  # each arm's cells at its length's rate
-  matched: List[Dict[str, Any]] = []
-  for i, steps in enumerate(lengths):
-    length = length_run(run, steps, study.evals_per_run)
-    n = length.trainer.num_steps
-
-    def rate_of(arm: str) -> float:  # the rate an arm is compared at, at this length
-      return compared_rate(study, arm, i == 0, config_rate, best)
-
-    keys = length_cells(study, n, i == 0, config_rate, best)
-    for key in keys:
-      _, arm, rate, seed = key
-      visited.append(key)
-      if key in done:
-        continue
-      log(f"training {arm} seed {seed}" + (f" at {n} steps" if study.steps else "")
-          + (f", peak rate {rate:g}" if study.learning_rates else ""))
-      done[key] = cell = train_cell(length, study, arm, seed, _cell_dir(workdir, study, n, arm, rate, seed),
-                                    operative_config, learning_rate=rate,
-                                    keep_every_eval=bool(study.matched_arms) and arm == "baseline")
-      _write_rows(cells_path, done, settings)  # whole-file atomic: a kill loses no finished cell
-      log(f"{arm} seed {seed}: " + ("diverged" if cell["diverged"] else f"eval loss {cell['final_eval_loss']:.4f}")
-          + f" after {cell['steps']} steps, {cell['total_flops'] or 0:.3e} FLOPs ({cell['wall_seconds']}s)")
-    if i == 0:
-      best = best_rates([done[k] for k in keys], study.arms, [float(r) for r in sweep])
-    chosen += [done[(n, arm, rate_of(arm), seed)] for arm in study.arms for seed in study.seeds]
-    for arm in study.matched_arms:
-      for seed in study.seeds:
-        cell, base = done[(n, arm, rate_of(arm), seed)], done[(n, "baseline", rate_of("baseline"), seed)]
-        row = matched_done.get(_key(cell))
-        if row is None or row["baseline_learning_rate"] != base["learning_rate"]:
-          log(f"reading the baseline at {arm}'s final loss, seed {seed}" + (f", {n} steps" if study.steps else ""))
-          matched_done[_key(cell)] = row = matched_row(study, cell, base)
-          _write_rows(matched_path, matched_done, settings)
-        matched.append(row)
-  cells = [done[k] for k in visited]
-  summary = page.summarize_study(cells, chosen, matched, study, best,
-                                 tokens_per_step=run.data.batch_size * run.data.seq_len, params=_model_params(run))
-  summary["wall_seconds_this_call"] = round(time.time() - started, 1)
-  summary["cell_wall_seconds"] = round(sum(c["wall_seconds"] for c in cells), 1)
-  result = {"study": dataclasses.asdict(study), "summary": summary,
-            "cells": [{k: v for k, v in c.items() if k != "settings"} for c in cells],
-            "matched": [{k: v for k, v in m.items() if k != "settings"} for m in matched]}
-  result["figures"] = page.plot_all(chosen, workdir, summary)
-  fs.write_json(fs.join(workdir, "study.json"), result)
-  fs.write_text(fs.join(workdir, "study.md"), page.markdown(result, run))
-  return result
+def _corpus_tokens(run: RunConfig) -> Optional[int]:
+  """The training split's tokens, for passes over the corpus (None where the source has no fixed corpus)."""
+  if run.data.source not in ("builtin", "text"):
+    return None
+  vocab, pipeline = load_data(run)
+  return int(sum(len(d) for d in pipeline.documents["train"])) if hasattr(pipeline, "documents") else None

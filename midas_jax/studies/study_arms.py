@@ -79,13 +79,17 @@ def eval_every_for(run: RunConfig, steps: int, evals: int) -> int:
 
 def length_run(run: RunConfig, steps: Optional[int], evals: int) -> RunConfig:
   """The run config at a length: `steps` steps, Prop-alpha stages of them (explicit stage_steps dropped),
-  the warm-up at most the first stage, the eval cadence of eval_every_for. None: the run config as it is."""
+  the warm-up at most the first stage, the eval cadence of eval_every_for (and a log cadence dividing
+  it). None: the run config as it is."""
   if steps is None:
     return run
   stacking = dataclasses.replace(run.stacking, stage_steps=None)
   stacked = schedule_from_config(dataclasses.replace(stacking, operator="midas"), steps, run.model.num_layers)
   warmup = min(run.optimizer.warmup_steps, stacked.stage_steps[0])
-  trainer = dataclasses.replace(run.trainer, num_steps=steps, eval_every=eval_every_for(run, steps, evals))
+  eval_every = eval_every_for(run, steps, evals)
+  # The loop evaluates at its records only (train/run.py), so records fall on every eval.
+  trainer = dataclasses.replace(run.trainer, num_steps=steps, eval_every=eval_every,
+                                log_every=math.gcd(run.trainer.log_every, eval_every))
   return dataclasses.replace(run, trainer=trainer, stacking=stacking,
                              optimizer=dataclasses.replace(run.optimizer, warmup_steps=warmup))
 
@@ -104,11 +108,15 @@ def equal_flops_steps(run: RunConfig, vocab_size: int) -> int:
   return max(1, int(round(run.trainer.num_steps * ratio)))
 
 
+VALIDATION_SHARD, TEST_SHARD = (0, 2), (1, 2)  # the held-out split's two halves (DataConfig.heldout_shard)
+
+
 def arm_config(run: RunConfig, arm: str, seed: int, vocab_size: int, learning_rate: Optional[float] = None,
-               keep_every_eval: bool = False) -> RunConfig:
+               eval_seed: Optional[int] = None) -> RunConfig:
   """The run config of one (arm, seed) of a length's run config (length_run): checkpoints at stage
-  boundaries and the end, all kept; keep_every_eval (the matched-loss baseline) also saves and keeps
-  one at every eval. learning_rate None keeps OptimizerConfig.learning_rate."""
+  boundaries and the end, all kept. The seed sets the initialization and the training rows; with
+  eval_seed the periodic eval reads the validation half of the held-out split, drawn from eval_seed,
+  the same batches for every arm and seed. learning_rate None keeps OptimizerConfig.learning_rate."""
   spec = parse_arm(arm)
   trainer = dataclasses.replace(run.trainer, seed=seed)
   stacking = StackingConfig()
@@ -117,12 +125,17 @@ def arm_config(run: RunConfig, arm: str, seed: int, vocab_size: int, learning_ra
   elif spec.stacked:
     stacking = dataclasses.replace(run.stacking, operator=spec.operator, new_moments=spec.new_moments,
                                    lr_schedule=spec.lr_schedule)
-  keep = run.stacking.num_stages + 1
-  checkpoint = CheckpointConfig(every=0, keep=keep, async_save=False)
-  if keep_every_eval and trainer.eval_every:
-    checkpoint = CheckpointConfig(every=trainer.eval_every, keep=trainer.num_steps // trainer.eval_every + 2,
-                                  async_save=False)
+  checkpoint = CheckpointConfig(every=0, keep=run.stacking.num_stages + 1, async_save=False)
   optimizer = run.optimizer if learning_rate is None else dataclasses.replace(run.optimizer,
                                                                               learning_rate=learning_rate)
-  return dataclasses.replace(run, trainer=trainer, stacking=stacking, optimizer=optimizer,
-                             data=dataclasses.replace(run.data, seed=seed), checkpoint=checkpoint)
+  data = dataclasses.replace(run.data, seed=seed)
+  if eval_seed is not None:
+    data = dataclasses.replace(data, eval_seed=eval_seed, heldout_shard=VALIDATION_SHARD)
+  return dataclasses.replace(run, trainer=trainer, stacking=stacking, optimizer=optimizer, data=data,
+                             checkpoint=checkpoint)
+
+
+def on_test_shard(config: RunConfig, batches: int) -> RunConfig:
+  """A cell's config read on the test half of the held-out split: `batches` batches of the same eval seed."""
+  return dataclasses.replace(config, data=dataclasses.replace(config.data, heldout_shard=TEST_SHARD),
+                             trainer=dataclasses.replace(config.trainer, eval_batches=batches))
