@@ -118,6 +118,8 @@ def test_the_study_reads_each_arm_on_the_ladder_on_one_eval_set_and_resumes(tmp_
   assert said["device"] and said["commit"] and said["versions"]["jax"]
   assert {"speedup", "gaps", "arms", "ladder", "matched"} <= set(result["tables"])
   assert (tmp_path / "study.md").read_text() == stacking_study_page.markdown(result)
+  small = json.loads((tmp_path / "results_tables.json").read_text())  # what docs commit: no cells
+  assert small["tables"] == result["tables"] and small["provenance"] == said and "cells" not in small
   assert "Effective speedup" in (tmp_path / "study.md").read_text()
   scored = [json.loads(line) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
   assert len(scored) == 6 and set(scored[0]["scores"]) == {"primitives", "memorization"}

@@ -23,7 +23,8 @@ eval_seed, the same for every cell), then measured:
                  standard error over batches (the reported loss)
 Then, with StackingStudyConfig.score, every compared run's final checkpoint is scored (primitives and
 memorization, DIR/scores.jsonl). The summary (stacking_study_summary.py) is written as DIR/results.json
-(provenance, tables, cells) and rendered into DIR/study.md (stacking_study_page.py).
+(provenance, tables, cells) and rendered into DIR/study.md (stacking_study_page.py); DIR/results_tables.json
+is its small part (provenance and tables), the one to commit beside docs that quote its tables.
 """
 
 from __future__ import annotations
@@ -354,6 +355,7 @@ def run_study(run: RunConfig, study: StackingStudyConfig, workdir: str, operativ
   result = page.results_file(summary, every, run, study, operative_config)
   result["figures"] = page.plot_all(compared, workdir, summary)
   fs.write_text(fs.join(workdir, "results.json"), results.dumps(result) + "\n")
+  fs.write_text(fs.join(workdir, "results_tables.json"), results.dumps(page.tables_file(result)) + "\n")
   fs.write_text(fs.join(workdir, "study.md"), page.markdown(result))
   return result
 

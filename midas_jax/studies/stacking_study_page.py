@@ -140,6 +140,12 @@ def results_file(summary: Dict[str, Any], cells: Sequence[Dict[str, Any]], run, 
           "cells": [{k: v for k, v in c.items() if k not in ("settings", "growth_steps")} for c in cells]}
 
 
+def tables_file(result: Dict[str, Any]) -> Dict[str, Any]:
+  """The results file's small part, to commit beside docs that quote its tables: provenance, tables, the
+  study's settings and the model (no cells)."""
+  return {k: result[k] for k in ("provenance", "tables", "study", "model")}
+
+
 def markdown(result: Dict[str, Any]) -> str:
   """The study page, from its results file alone."""
   s, m, said = result["summary"], result["model"], result["provenance"]
