@@ -73,7 +73,7 @@ def test_the_study_reads_each_arm_on_the_ladder_on_one_eval_set_and_resumes(tmp_
   assert calls == [(20, "baseline", 1), (20, "baseline", 2)] and not (tmp_path / "results.json").exists()
   (first,) = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
   out = capsys.readouterr().out
-  assert "training baseline seed 1 at 20 steps" in out and "baseline seed 1: test loss" in out
+  assert "training baseline seed 1 at 20 steps" in out and "baseline seed 1: validation loss" in out
   # The re-run trains only the missing cells (the rate grid of one rate, the arms, then the ladder's rung).
   monkeypatch.setattr(stacking_study, "train_cell", train_cell)
   calls.clear()
@@ -81,7 +81,8 @@ def test_the_study_reads_each_arm_on_the_ladder_on_one_eval_set_and_resumes(tmp_
   assert calls == [(20, "baseline", 2), (20, "midas", 1), (20, "midas", 2), (40, "baseline", 1), (40, "baseline", 2)]
   result = json.loads((tmp_path / "results.json").read_text())
   cells = {(c["length"], c["arm"], c["seed"]): c for c in result["cells"]}
-  assert cells[(20, "baseline", 1)] == {k: v for k, v in first.items() if k not in ("settings", "growth_steps")}
+  assert {k: v for k, v in cells[(20, "baseline", 1)].items() if k != "test"} == {
+      k: v for k, v in first.items() if k not in ("settings", "growth_steps")}
   midas = cells[(20, "midas", 1)]
   (growth,) = midas["growths"]
   assert (growth["from_depth"], growth["to_depth"]) == (1, 2) and growth["loss_before"] is not None
@@ -122,8 +123,14 @@ def test_the_study_reads_each_arm_on_the_ladder_on_one_eval_set_and_resumes(tmp_
   assert small["tables"] == result["tables"] and small["provenance"] == said and "cells" not in small
   assert "Effective speedup" in (tmp_path / "study.md").read_text()
   scored = [json.loads(line) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
-  assert len(scored) == 6 and set(scored[0]["scores"]) == {"primitives", "memorization"}
+  assert len(scored) == 6 and set(scored[0]["value"]) == {"primitives", "memorization"}
   assert (tmp_path / "study" / "loss_vs_flops.png").read_bytes()[:4] == b"\x89PNG"
+  # More test batches re-measure the kept checkpoints and train nothing.
+  monkeypatch.setattr(stacking_study, "train_cell", lambda *a, **k: pytest.fail("trained again"))
+  assert cli.main(argv + ["--gin.StackingStudyConfig.test_batches=4"]) == 0
+  again = json.loads((tmp_path / "results.json").read_text())
+  assert {c["test"]["batches"] for c in again["cells"] if "test" in c} == {4}
+  assert [c["final_eval_loss"] for c in again["cells"]] == [c["final_eval_loss"] for c in result["cells"]]
 
 
 def test_an_edge_best_rate_grid_is_trained_past_its_edge():
@@ -196,7 +203,12 @@ def test_a_rerun_reuses_the_cells_of_equal_settings_only(tmp_path, repo_root):
   assert list(read(path, settings(run, dataclasses.replace(study, steps=(120, 480), learning_rates=(1e-3,))))) == [key]
   assert list(read(path, settings(run, dataclasses.replace(study, k_shot=1, ladder_steps=(30,))))) == [key]  # scoring
   assert not read(path, settings(run, dataclasses.replace(study, eval_seed=7)))  # another eval set
-  assert not read(path, settings(run, dataclasses.replace(study, test_batches=8)))
+  assert list(read(path, settings(run, dataclasses.replace(study, test_batches=8)))) == [key]  # read after training
+  # A cell written when the test set was measured inside it (its settings carry test_batches) is still read.
+  old = settings(run, study)
+  old["study"]["test_batches"] = 64
+  write(path, {key: _cell("midas", 0, 2.0, 1.0, 120)}, old)
+  assert list(read(path, settings(run, study))) == [key]
   assert not read(path, settings(dataclasses.replace(run, trainer=dataclasses.replace(run.trainer, num_steps=240)),
                                  study))
 

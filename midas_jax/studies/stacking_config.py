@@ -57,7 +57,7 @@ class StackingStudyConfig:
   steps: Tuple[int, ...] = ()
   ladder_steps: Tuple[int, ...] = ()
   eval_seed: int = 1234
-  test_batches: int = 64
+  test_batches: int = 128
   evals_per_run: int = 10
   learning_rates: Tuple[float, ...] = ()
   rate_seeds: int = 0

@@ -14,15 +14,15 @@ rates and seeds. The study runs in four parts, each resumable from DIR/cells.jso
 
 Each (length, arm, rate, seed) is a cell: a `midas train` run (TrainerConfig.seed and DataConfig.seed set
 to the seed: the initialization and the training rows; the held-out batches come from the study's
-eval_seed, the same for every cell), then measured:
+eval_seed, the same for every cell), then measured on the validation half:
   eval_curve     the validation loss at every eval step, with the FLOPs spent by then
   growths        the validation loss just before each growth (the eval at the boundary, which the
                  eval cadence hits), just after it (the grown state's checkpoint), and at the next eval
   growth_steps   growth_window steps either side of each growth, one by one (train/growth_probe.py)
-  test_loss      the final checkpoint's loss on test_batches batches of the test shard, and its
-                 standard error over batches (the reported loss)
-Then, with StackingStudyConfig.score, every compared run's final checkpoint is scored (primitives and
-memorization, DIR/scores.jsonl). The summary (stacking_study_summary.py) is written as DIR/results.json
+Every compared run's final checkpoint is then measured on test_batches batches of the test half, with its
+standard error over batches (the reported loss, DIR/tests.jsonl), and with StackingStudyConfig.score scored
+(primitives and memorization, DIR/scores.jsonl). Both read only the kept checkpoints, so changing how many
+test batches or questions re-measures without training again. The summary (stacking_study_summary.py) is written as DIR/results.json
 (provenance, tables, cells) and rendered into DIR/study.md (stacking_study_page.py); DIR/results_tables.json
 is its small part (provenance and tables), the one to commit beside docs that quote its tables.
 """
@@ -157,7 +157,7 @@ def train_cell(run: RunConfig, study: StackingStudyConfig, arm: str, seed: int, 
   try:
     result = train(config, workdir, operative_config=operative_config, growth_window=study.growth_window)
   except NonFiniteLossError as e:
-    return dict(cell, diverged=True, error=str(e), final_eval_loss=None, test=None, total_flops=None, eval_curve=[],
+    return dict(cell, diverged=True, error=str(e), final_eval_loss=None, total_flops=None, eval_curve=[],
                 growths=[], growth_steps=[], train_seconds=None, wall_seconds=round(time.time() - start, 1))
   trained = time.time() - start
   evals = [{"step": r["step"], "loss": r["loss"], "flops": r["cumulative_flops"]}
@@ -165,13 +165,17 @@ def train_cell(run: RunConfig, study: StackingStudyConfig, arm: str, seed: int, 
   train_rows = read_metrics(workdir, "train")
   start = time.time()
   growths = _growth_losses(config, workdir, result.growths, evals, data)
-  final = load_model(workdir)
-  test = on_test_shard(config, study.test_batches)
-  measured = held_out_batches(test, final.params, final.model_config.num_layers, load_data(test))
   return dict(cell, total_flops=train_rows[-1]["cumulative_flops"], final_eval_loss=evals[-1]["loss"],
-              test=measured, final_train_loss=result.final_loss, eval_curve=evals, growths=growths,
+              final_train_loss=result.final_loss, eval_curve=evals, growths=growths,
               growth_steps=[{k: v for k, v in r.items() if k != "split"} for r in read_metrics(workdir, "growth")],
               train_seconds=round(result.train_seconds, 1), wall_seconds=round(trained + time.time() - start, 1))
+
+
+def test_checkpoint(study: StackingStudyConfig, cell: Dict[str, Any]) -> Dict[str, Any]:
+  """A finished cell's final checkpoint on test_batches batches of the test half (loss, standard error)."""
+  final = load_model(cell["workdir"])
+  test = on_test_shard(final.config, study.test_batches)
+  return held_out_batches(test, final.params, final.model_config.num_layers, load_data(test))
 
 
 def score_checkpoint(study: StackingStudyConfig, loaded) -> Dict[str, Any]:
@@ -199,15 +203,19 @@ def _settings(run: RunConfig, study: StackingStudyConfig) -> Dict[str, Any]:
   """What a cell's result depends on besides its key: a re-run reuses cells only if equal.
 
   In JSON form (tuples as lists), as cells.jsonl stores it, so that equal settings compare equal.
-  The grids (seeds, arms, lengths, rates) pick cells, and scoring happens after training: neither is
-  a setting.
+  The grids (seeds, arms, lengths, rates) pick cells, and the test set and scoring read finished
+  checkpoints: none of them is a setting of a cell.
   """
   d = dataclasses.asdict(study)
   for grid in ("seeds", "arms", "steps", "ladder_steps", "learning_rates", "rate_seeds", "max_rate_extensions",
                "recheck_rates", "longer_rate", "matched_arms", "score", "k_shot", "score_examples",
-               "memory_questions", "tasks", "eval_batch_size"):
+               "memory_questions", "tasks", "eval_batch_size", "test_batches"):
     d.pop(grid)
   return json.loads(json.dumps({"run": config_to_dict(run), "study": d}))
+
+
+def _test_settings(study: StackingStudyConfig) -> Dict[str, Any]:
+  return {"test_batches": study.test_batches, "eval_seed": study.eval_seed}
 
 
 def _score_settings(study: StackingStudyConfig) -> Dict[str, Any]:
@@ -224,9 +232,17 @@ def _read_rows(path: str, settings: Dict[str, Any]) -> Dict[Key, Dict[str, Any]]
   if fs.isfile(path):
     for line in fs.read_text(path).splitlines():
       row = json.loads(line) if line.strip() else None
-      if row and row.get("settings") == settings:
+      if row and _comparable(row.get("settings")) == settings:
         rows[_key(row)] = row
   return rows
+
+
+def _comparable(settings: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+  """Stored settings as this version compares them: cells written when the test set was measured inside a
+  cell still carry its batch count, which no longer bears on training."""
+  if not settings or "study" not in settings or "test_batches" not in settings["study"]:
+    return settings
+  return dict(settings, study={k: v for k, v in settings["study"].items() if k != "test_batches"})
 
 
 def _write_rows(path: str, rows: Dict[Key, Dict[str, Any]], settings: Dict[str, Any]) -> None:
@@ -269,7 +285,7 @@ class _Cells:
       self.done[key] = cell
       _write_rows(self.path, self.done, self.settings)
       self.log(f"{arm} seed {seed}: " + ("diverged" if cell["diverged"] else
-                                         f"test loss {cell['test']['loss']:.4f} ± {cell['test']['se'] or 0:.4f}")
+                                         f"validation loss {cell['final_eval_loss']:.4f}")
                + f" after {cell['steps']} steps, {cell['total_flops'] or 0:.3e} FLOPs ({cell['wall_seconds']}s)")
     return self.done[key]
 
@@ -346,7 +362,14 @@ def run_study(run: RunConfig, study: StackingStudyConfig, workdir: str, operativ
               for steps, arm, rate, seed, role in compared_plan(study, lengths, best, config_rate)]
   recheck = [cells.get(*key) for key in recheck_plan(study, lengths, best, config_rate,
                                                      {arm: r["grid"] for arm, r in rates.items()})]
-  scores = _scores(study, workdir, [c for c in compared if not c["diverged"]], log) if study.score else {}
+  finished = [c for c in compared if not c["diverged"]]
+  tests = _measured(study, workdir, "tests.jsonl", _test_settings(study), finished, test_checkpoint, "testing", log)
+  compared = [dict(c, test=tests.get(_key(c))) for c in compared]
+  for key, test in tests.items():
+    cells.done[key] = dict(cells.done[key], test=test)  # the results file's cells carry their test loss
+  scores = (_measured(study, workdir, "scores.jsonl", _score_settings(study), finished,
+                      lambda st, cell: score_checkpoint(st, load_model(cell["workdir"])), "scoring", log)
+            if study.score else {})
   summary = summary_lib.summarize(compared, rates, recheck, scores, study, tokens_per_step=run.data.batch_size
                                   * run.data.seq_len, params=_model_params(run), corpus_tokens=_corpus_tokens(run))
   every = [cells.done[k] for k in cells.visited]
@@ -360,19 +383,21 @@ def run_study(run: RunConfig, study: StackingStudyConfig, workdir: str, operativ
   return result
 
 
-def _scores(study: StackingStudyConfig, workdir: str, cells: Sequence[Dict[str, Any]],
-            log: Callable[[str], None]) -> Dict[Key, Dict[str, Any]]:
-  """Each cell's final checkpoint's scores, cached in DIR/scores.jsonl under the scoring settings."""
-  path, settings = fs.join(workdir, "scores.jsonl"), _score_settings(study)
+def _measured(study: StackingStudyConfig, workdir: str, name: str, settings: Dict[str, Any],
+              cells: Sequence[Dict[str, Any]], measure: Callable, verb: str,
+              log: Callable[[str], None]) -> Dict[Key, Dict[str, Any]]:
+  """measure(study, cell) of each finished cell's final checkpoint, kept in DIR/<name> under `settings`
+  (a re-run with other settings measures again, training nothing)."""
+  path = fs.join(workdir, name)
   done = _read_rows(path, settings)
   for cell in cells:
     key = _key(cell)
     if key not in done:
-      log(f"scoring {cell['arm']} seed {cell['seed']} at {cell['length']} steps")
+      log(f"{verb} {cell['arm']} seed {cell['seed']} at {cell['length']} steps")
       done[key] = dict(length=cell["length"], arm=cell["arm"], learning_rate=cell["learning_rate"], seed=cell["seed"],
-                       scores=score_checkpoint(study, load_model(cell["workdir"])))
+                       value=measure(study, cell))
       _write_rows(path, done, settings)
-  return {k: v["scores"] for k, v in done.items()}
+  return {k: v["value"] for k, v in done.items()}
 
 
 def _model_params(run: RunConfig) -> int:
