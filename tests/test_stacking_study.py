@@ -96,7 +96,8 @@ def test_the_study_reads_each_arm_on_the_ladder_on_one_eval_set_and_resumes(tmp_
       assert np.array_equal(pipes[1].batch(step, "validation")[name], pipes[2].batch(step, "validation")[name])
       assert np.array_equal(tests[1].batch(step, "validation")[name], tests[2].batch(step, "validation")[name])
     assert not np.array_equal(pipes[1].batch(step, "train")["inputs"], pipes[2].batch(step, "train")["inputs"])
-    assert not np.array_equal(pipes[1].batch(step, "validation")["inputs"], tests[1].batch(step, "validation")["inputs"])
+    assert not np.array_equal(pipes[1].batch(step, "validation")["inputs"],
+                              tests[1].batch(step, "validation")["inputs"])
   # The reported loss is the test half's, computed here by hand; the validation curve's last point is the other half.
   test_config = study_arms.on_test_shard(configs_[1], 3)
   assert _loss_by_hand(test_config, tmp_path / "steps20" / "midas" / "seed1") == (
@@ -123,7 +124,7 @@ def test_the_study_reads_each_arm_on_the_ladder_on_one_eval_set_and_resumes(tmp_
   assert small["tables"] == result["tables"] and small["provenance"] == said and "cells" not in small
   assert "Effective speedup" in (tmp_path / "study.md").read_text()
   scored = [json.loads(line) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
-  assert len(scored) == 6 and set(scored[0]["value"]) == {"primitives", "memorization"}
+  assert len(scored) == 6 and set(scored[0]["scores"]) == {"primitives", "memorization"}
   assert (tmp_path / "study" / "loss_vs_flops.png").read_bytes()[:4] == b"\x89PNG"
   # More test batches re-measure the kept checkpoints and train nothing.
   monkeypatch.setattr(stacking_study, "train_cell", lambda *a, **k: pytest.fail("trained again"))

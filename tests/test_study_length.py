@@ -119,7 +119,8 @@ def test_the_plan_trains_each_arm_at_its_best_rate_then_the_ladder_then_the_rech
       (100, "baseline", 3e-3, 0), (100, "baseline", 3e-3, 1), (1200, "baseline", 3e-3, 0), (1200, "baseline", 3e-3, 1)]
   fixed = dataclasses.replace(study, longer_rate="config")
   plan = stacking_study.compared_plan(fixed, (200, 800), best, 5e-3)
-  assert {r for n, a, r, _, _ in plan if n != 200} == {5e-3} and {r for n, a, r, _, _ in plan if n == 200} == {3e-3, 1e-2}
+  assert {r for n, a, r, _, _ in plan if n != 200} == {5e-3}
+  assert {r for n, a, r, _, _ in plan if n == 200} == {3e-3, 1e-2}
   grids = {"baseline": {"0.001": [], "0.003": [], "0.01": []}, "midas": {"0.001": [], "0.003": [], "0.01": []}}
   assert stacking_study.recheck_plan(study, (200, 800), best, 3e-3, grids) == [
       (800, "baseline", 3e-3, 0), (800, "baseline", 1e-3, 0), (800, "baseline", 1e-2, 0),

@@ -77,7 +77,8 @@ class StackingStudyConfig:
     object.__setattr__(self, "learning_rates", tuple(float(r) for r in self.learning_rates))
     require(len(self.seeds) >= 1 and len(set(self.seeds)) == len(self.seeds)
             and all(isinstance(x, int) and x >= 0 for x in self.seeds), s + "seeds",
-            f"must be distinct non-negative ints, got {self.seeds}", "e.g. seeds = [0, 1, 2] (three or more give an interval)")
+            f"must be distinct non-negative ints, got {self.seeds}",
+            "e.g. seeds = [0, 1, 2] (three or more give an interval)")
     require(len(self.arms) >= 1 and len(set(self.arms)) == len(self.arms), s + "arms",
             f"{self.arms} are not distinct arm names", f"list some of {ARMS + ABLATIONS}")
     specs = [parse_arm(a) for a in self.arms]

@@ -22,9 +22,10 @@ eval_seed, the same for every cell), then measured on the validation half:
 Every compared run's final checkpoint is then measured on test_batches batches of the test half, with its
 standard error over batches (the reported loss, DIR/tests.jsonl), and with StackingStudyConfig.score scored
 (primitives and memorization, DIR/scores.jsonl). Both read only the kept checkpoints, so changing how many
-test batches or questions re-measures without training again. The summary (stacking_study_summary.py) is written as DIR/results.json
-(provenance, tables, cells) and rendered into DIR/study.md (stacking_study_page.py); DIR/results_tables.json
-is its small part (provenance and tables), the one to commit beside docs that quote its tables.
+test batches or questions re-measures without training again. The summary (stacking_study_summary.py) is
+written as DIR/results.json (provenance, tables, cells) and rendered into DIR/study.md
+(stacking_study_page.py); DIR/results_tables.json is its small part (provenance and tables), the one to
+commit beside docs that quote its tables.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def train_cell(run: RunConfig, study: StackingStudyConfig, arm: str, seed: int, 
               train_seconds=round(result.train_seconds, 1), wall_seconds=round(trained + time.time() - start, 1))
 
 
-def test_checkpoint(study: StackingStudyConfig, cell: Dict[str, Any]) -> Dict[str, Any]:
+def measure_test_loss(study: StackingStudyConfig, cell: Dict[str, Any]) -> Dict[str, Any]:
   """A finished cell's final checkpoint on test_batches batches of the test half (loss, standard error)."""
   final = load_model(cell["workdir"])
   test = on_test_shard(final.config, study.test_batches)
@@ -184,7 +185,8 @@ def score_checkpoint(study: StackingStudyConfig, loaded) -> Dict[str, Any]:
              "tasks": list(study.tasks) if study.tasks else None, "batch_size": study.eval_batch_size}
   context_len = min(loaded.config.data.seq_len, loaded.model_config.max_seq_len)
   reasoning = primitive_scores.evaluate(loaded.params, loaded.model_config, loaded.vocab, context_len, options)
-  out = {"primitives": {name: {k: v["value"] for k, v in t["scores"].items()} for name, t in reasoning["tasks"].items()},
+  out = {"primitives": {name: {k: v["value"] for k, v in t["scores"].items()}
+                        for name, t in reasoning["tasks"].items()},
          "memorization": {}}
   if loaded.config.data.source == "builtin":  # the facts of the built-in corpus's world
     memory = memorization_scores.evaluate(loaded.params, loaded.model_config, loaded.vocab, context_len,
@@ -363,13 +365,13 @@ def run_study(run: RunConfig, study: StackingStudyConfig, workdir: str, operativ
   recheck = [cells.get(*key) for key in recheck_plan(study, lengths, best, config_rate,
                                                      {arm: r["grid"] for arm, r in rates.items()})]
   finished = [c for c in compared if not c["diverged"]]
-  tests = _measured(study, workdir, "tests.jsonl", _test_settings(study), finished, test_checkpoint, "testing", log)
+  tests = _measured(workdir, "tests.jsonl", "test", _test_settings(study), finished,
+                    lambda cell: measure_test_loss(study, cell), log)
   compared = [dict(c, test=tests.get(_key(c))) for c in compared]
   for key, test in tests.items():
     cells.done[key] = dict(cells.done[key], test=test)  # the results file's cells carry their test loss
-  scores = (_measured(study, workdir, "scores.jsonl", _score_settings(study), finished,
-                      lambda st, cell: score_checkpoint(st, load_model(cell["workdir"])), "scoring", log)
-            if study.score else {})
+  scores = (_measured(workdir, "scores.jsonl", "scores", _score_settings(study), finished,
+                      lambda cell: score_checkpoint(study, load_model(cell["workdir"])), log) if study.score else {})
   summary = summary_lib.summarize(compared, rates, recheck, scores, study, tokens_per_step=run.data.batch_size
                                   * run.data.seq_len, params=_model_params(run), corpus_tokens=_corpus_tokens(run))
   every = [cells.done[k] for k in cells.visited]
@@ -383,21 +385,22 @@ def run_study(run: RunConfig, study: StackingStudyConfig, workdir: str, operativ
   return result
 
 
-def _measured(study: StackingStudyConfig, workdir: str, name: str, settings: Dict[str, Any],
-              cells: Sequence[Dict[str, Any]], measure: Callable, verb: str,
+def _measured(workdir: str, file_name: str, what: str, settings: Dict[str, Any],
+              cells: Sequence[Dict[str, Any]],
+              measure: Callable[[Dict[str, Any]], Dict[str, Any]],
               log: Callable[[str], None]) -> Dict[Key, Dict[str, Any]]:
-  """measure(study, cell) of each finished cell's final checkpoint, kept in DIR/<name> under `settings`
-  (a re-run with other settings measures again, training nothing)."""
-  path = fs.join(workdir, name)
+  """measure(cell) of each finished cell's final checkpoint, kept as `what` in DIR/<file_name> under
+  `settings`: a re-run with other settings measures again, training nothing."""
+  path = fs.join(workdir, file_name)
   done = _read_rows(path, settings)
   for cell in cells:
     key = _key(cell)
     if key not in done:
-      log(f"{verb} {cell['arm']} seed {cell['seed']} at {cell['length']} steps")
-      done[key] = dict(length=cell["length"], arm=cell["arm"], learning_rate=cell["learning_rate"], seed=cell["seed"],
-                       value=measure(study, cell))
+      log(f"{what}: {cell['arm']} seed {cell['seed']} at {cell['length']} steps")
+      done[key] = {"length": cell["length"], "arm": cell["arm"], "learning_rate": cell["learning_rate"],
+                   "seed": cell["seed"], what: measure(cell)}
       _write_rows(path, done, settings)
-  return {k: v["value"] for k, v in done.items()}
+  return {k: v[what] for k, v in done.items()}
 
 
 def _model_params(run: RunConfig) -> int:

@@ -172,7 +172,8 @@ def summarize(compared: Sequence[Dict[str, Any]], rates: Dict[str, Any], recheck
     cs = [c for c in live if c["arm"] == "baseline" and c["length"] == n]
     out["ladder"].append({"length": n, "flops": float(np.mean([c["total_flops"] for c in cs])),
                           "tokens_per_param": n * tokens_per_step / params, "learning_rate": cs[0]["learning_rate"],
-                          "test_loss": spread([_test(c) for c in cs]), "test_se": spread([c["test"]["se"] for c in cs])})
+                          "test_loss": spread([_test(c) for c in cs]),
+                          "test_se": spread([c["test"]["se"] for c in cs])})
   for c in recheck:
     out["recheck"].append({"arm": c["arm"], "length": c["length"], "seed": c["seed"],
                            "learning_rate": c["learning_rate"], "validation_loss": c.get("final_eval_loss"),
