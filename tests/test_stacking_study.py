@@ -102,7 +102,7 @@ def test_the_study_reads_each_arm_on_the_ladder_on_one_eval_set_and_resumes(tmp_
   test_config = study_arms.on_test_shard(configs_[1], 3)
   assert _loss_by_hand(test_config, tmp_path / "steps20" / "midas" / "seed1") == (
       2, pytest.approx(midas["test"]["loss"], abs=1e-5))
-  assert midas["test"]["batches"] == 3 and midas["test"]["se"] > 0
+  assert midas["test"]["batches"] == 3 and midas["test"]["se"] > 0 and midas["test"]["device"] == midas["device"]
   assert _loss_by_hand(configs_[1], tmp_path / "steps20" / "midas" / "seed1")[1] == pytest.approx(
       midas["final_eval_loss"], abs=1e-5)
   # The speedup is each seed's own ladder (baseline at 20 and 40 steps) read at the arm's test loss.
@@ -271,5 +271,9 @@ def test_gaps_and_reasoning_against_memorization_at_matched_loss_on_hand_made_ce
   assert matched["did"]["values"] == [pytest.approx(0.2), pytest.approx(0.3)]
   assert matched["did"]["p_sign_flip"] == pytest.approx(0.5)  # two seeds, both positive: 2 of 4 patterns
   assert summary["lengths"][0]["passes"] == pytest.approx(1.0) and summary["devices"] == ["cpu"]
+  cells[-1]["test"]["device"] = "another cpu"  # a test loss measured elsewhere than it trained is flagged
+  mixed = stacking_study_summary.summarize(cells, {}, [], scores, study, tokens_per_step=100, params=10,
+                                           corpus_tokens=1000)
+  assert mixed["devices"] == ["another cpu", "cpu"]
   tables = stacking_study_page.tables(dict(summary, rates={}, recheck=[]))
   assert tables["speedup"]["rows"][0][4] == "1.00x, 1.00x"

@@ -173,10 +173,12 @@ def train_cell(run: RunConfig, study: StackingStudyConfig, arm: str, seed: int, 
 
 
 def measure_test_loss(study: StackingStudyConfig, cell: Dict[str, Any]) -> Dict[str, Any]:
-  """A finished cell's final checkpoint on test_batches batches of the test half (loss, standard error)."""
+  """A finished cell's final checkpoint on test_batches batches of the test half (loss, standard error, and
+  the device that measured it, which may not be the one that trained it)."""
   final = load_model(cell["workdir"])
   test = on_test_shard(final.config, study.test_batches)
-  return held_out_batches(test, final.params, final.model_config.num_layers, load_data(test))
+  return dict(held_out_batches(test, final.params, final.model_config.num_layers, load_data(test)),
+              device=device_kind())
 
 
 def score_checkpoint(study: StackingStudyConfig, loaded) -> Dict[str, Any]:

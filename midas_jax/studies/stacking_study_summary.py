@@ -122,7 +122,9 @@ def summarize(compared: Sequence[Dict[str, Any]], rates: Dict[str, Any], recheck
   out: Dict[str, Any] = {"seeds": list(study.seeds), "params": params, "tokens_per_step": tokens_per_step,
                          "corpus_tokens": corpus_tokens, "lengths": [], "speedups": [], "gaps": [], "matched": [],
                          "growths": [], "rates": rates, "recheck": [], "ladder": []}
-  out["devices"] = sorted({c.get("device", "unknown") for c in compared})
+  # Every device that trained a run or measured its test loss: the page warns when there is more than one.
+  out["devices"] = sorted({c.get("device", "unknown") for c in compared}
+                          | {c["test"]["device"] for c in compared if c.get("test") and "device" in c["test"]})
   tests = [c["test"] for c in live if c.get("test")]
   out["eval_set"] = {"eval_seed": study.eval_seed, "test_batches": study.test_batches,
                      "test_tokens": spread([t["tokens"] for t in tests])["mean"],
