@@ -2,13 +2,13 @@
 
   midas study anchor --gin_file=gin/experiments/anchor_gamma_cpu.gin [--gin.AnchorStudyConfig.K=V ...] --workdir=DIR
   midas study stacking --gin_file=gin/experiments/study_stacking_cpu.gin [--gin.K=V ...] --workdir=DIR
-  midas study stacking --gin_file=gin/experiments/study_length_cpu.gin --workdir=DIR   (the length study)
+  midas study stacking --gin_file=gin/experiments/study_long_cpu.gin --workdir=DIR   (10 tokens per parameter)
 
 anchor writes DIR/cells.jsonl (one line per trained cell; a re-run resumes), DIR/anchor_study.json,
 DIR/phase_diagram.png and DIR/operative_config.gin, and prints the grid and its arms' contrasts. stacking writes one run
-per cell under DIR/[steps<N>/]<arm>/[lr<rate>/]seed<seed>/, DIR/cells.jsonl and DIR/matched.jsonl (a
-re-run resumes), DIR/study.json, DIR/study.md with its figures under DIR/study/, and prints the page's
-tables.
+per cell under DIR/[steps<N>/]<arm>/[lr<rate>/]seed<seed>/, DIR/cells.jsonl, DIR/tests.jsonl and DIR/scores.jsonl
+(a re-run resumes), DIR/results.json (provenance, tables, every cell) and its small part DIR/results_tables.json,
+DIR/study.md rendered from it with its figures under DIR/study/, and prints the page.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ def add_commands(root: CommandGroup) -> None:
   anchor = study.command("anchor", _anchor, help="train the gamma x depth (x arm) grid of the anchor-function task")
   add_gin_flags(anchor, "gin file binding AnchorStudyConfig")
   anchor.add_argument("--workdir", required=True, help="output: cells.jsonl, anchor_study.json, phase_diagram.png")
-  stacking = study.command("stacking", _stacking, help="baseline, equal-FLOPs baseline, MIDAS and GradStack over seeds")
+  stacking = study.command("stacking", _stacking,
+                           help="effective speedup of MIDAS and GradStack on a baseline ladder, over seeds")
   add_gin_flags(stacking, "gin file binding the run config and StackingStudyConfig")
-  stacking.add_argument("--workdir", required=True, help="output: one run per arm and seed, study.json, study.md")
+  stacking.add_argument("--workdir", required=True, help="output: one run per cell, results.json, study.md")
 
 
 def _parse(gin_files: Sequence[str], bindings: Sequence[str], config_class: type, example: str) -> None:
