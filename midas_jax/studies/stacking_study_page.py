@@ -65,15 +65,16 @@ def _p(p: Optional[float]) -> str:
 def tables(summary: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
   """The study's tables (midas_jax/results.py format) from its summary."""
   out = {}
+  rows = []
+  for s in summary["speedups"]:
+    length = _length(summary, s["length"])
+    rows.append([s["length"], length["tokens_per_param"], length["passes"] or "-", s["arm"],
+                 ", ".join(s["seeds"]) or "-", s.get("geomean") or f"{s['outside_ladder']} outside",
+                 "-" if not s.get("ci95") else f"{s['ci95'][0]:.2f}x to {s['ci95'][1]:.2f}x",
+                 _p(s.get("p_sign_flip")), s["every_seed"]])
   out["speedup"] = results.table(
       ["steps", "tokens per parameter", "passes over the corpus", "arm", "per seed", "geometric mean",
-       "95% interval", "sign-flip p", "every seed"],
-      [[s["length"], _length(summary, s["length"])["tokens_per_param"],
-        _length(summary, s["length"])["passes"] if _length(summary, s["length"])["passes"] else "-", s["arm"],
-        ", ".join(s["seeds"]) or "-", s.get("geomean") if s.get("geomean") else f"{s['outside_ladder']} outside",
-        "-" if not s.get("ci95") else f"{s['ci95'][0]:.2f}x to {s['ci95'][1]:.2f}x", _p(s.get("p_sign_flip")),
-        s["every_seed"]] for s in summary["speedups"]],
-      [None, ".1f", ".2f", None, None, ".3f", None, None, None])
+       "95% interval", "sign-flip p", "every seed"], rows, [None, ".1f", ".2f", None, None, ".3f", None, None, None])
   out["gaps"] = results.table(
       ["steps", "arm", "equal steps", "equal FLOPs (on the ladder)", "equal-FLOPs run", "p (equal FLOPs)"],
       [[g["length"], g["arm"], _pair(g["equal_steps"]), _pair(g["equal_flops"]), _pair(g["equal_flops_run"]),
@@ -136,7 +137,7 @@ def results_file(summary: Dict[str, Any], cells: Sequence[Dict[str, Any]], run, 
           "model": {"family": run.model.family, "num_layers": run.model.num_layers, "d_model": run.model.d_model,
                     "params": summary["params"], "source": run.data.source, "batch_size": run.data.batch_size,
                     "seq_len": run.data.seq_len, "num_stages": run.stacking.num_stages,
-                    "alpha": run.stacking.alpha, "corpus_documents": getattr(run.data, "corpus_documents", None)},
+                    "alpha": run.stacking.alpha, "corpus_documents": run.data.corpus_documents},
           "cells": [{k: v for k, v in c.items() if k not in ("settings", "growth_steps")} for c in cells]}
 
 
