@@ -14,18 +14,22 @@ Each commands module (midas_jax/commands/) adds its commands the same way; the m
 docstrings there list every flag. Bad input (unknown flags or gin settings, impossible shapes,
 missing files, an unwritable workdir) ends with a one-paragraph message naming the setting and the
 fix, and exit status 2. A fault outside the config ends with a message saying what failed and what to do:
-storage that does not answer with exit status 75 (transient: the same command later goes on), others with 1.
+storage that does not answer with exit status 75 (transient: the same command later goes on), a loss that
+is not finite with 3, others with 1; midas_jax/exit_status.py has the table. In a multi-process job the
+process that stops tells the others first (peers.py), and they stop with the same status.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from typing import Optional, Sequence
 
 from midas_jax.commands import (bench_commands, convert_commands, data_commands, docs_commands, eval_commands,
                                 study_commands, train_commands)
 from midas_jax.commands.common import CommandGroup, split_gin_bindings
+from midas_jax import exit_status, peers
 from midas_jax.errors import ConfigError, FaultError, NonFiniteLossError
 
 COMMAND_MODULES = (train_commands, eval_commands, convert_commands, study_commands, bench_commands, data_commands,
@@ -49,14 +53,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(rest)
     return args.handler(args, bindings)
   except ConfigError as e:
-    print(f"midas: error: {e}", file=sys.stderr)
-    return 2
+    return _stop(exit_status.BAD_INPUT.status, f"midas: error: {e}")
   except NonFiniteLossError as e:
-    print(f"midas: training stopped: {e}", file=sys.stderr)
-    return 1
-  except FaultError as e:  # storage unavailable (exit 75: run it again later), out of memory
-    print(f"midas: stopped: {e}", file=sys.stderr)
-    return e.exit_status
+    return _stop(exit_status.HALTED.status, f"midas: training stopped: {e}\n  {_HALTED_NOTE}")
+  except FaultError as e:  # storage unavailable (exit 75: run it again later), out of memory, a peer gone
+    return _stop(e.exit_status, f"midas: stopped: {e}")
+  except Exception as e:  # an error nobody recognised: its traceback, and in a job every process told
+    if peers.active():
+      peers.announce(exit_status.FAILED.status, f"{type(e).__name__}: {' '.join(str(e).split())[:1000]}")
+      traceback.print_exc()
+      peers.leave()
+      return exit_status.FAILED.status
+    raise
+
+
+_HALTED_NOTE = ("exit status 3: running the same command again would repeat it from the last save "
+                "(docs/pods.md#exit-statuses)")
+
+
+def _stop(status: int, message: str) -> int:
+  """Prints why the command stopped; in a multi-process job, first tells every other process (peers.py),
+  then waits for them at the distributed client's shutdown, so all of them exit with this status."""
+  print(message, file=sys.stderr, flush=True)
+  if peers.active():
+    peers.announce(status, message)
+    peers.leave()
+  return status
 
 
 if __name__ == "__main__":

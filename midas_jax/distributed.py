@@ -7,6 +7,12 @@ Three ways a job can be described, in this order of precedence:
   3. a Cloud TPU VM: jax reads the worker list from the VM's metadata itself.
 Anything else is a single local process, which needs no coordination at all. `plan` only reads
 flags and the environment (so it is testable anywhere); `initialize` acts on its answer.
+
+Two waits are settings, because a pod's right values are not a laptop's: --initialization_timeout_s,
+how long a process waits for all the others to join (the slowest worker's boot and install), and
+--peer_timeout_s, how long a process waits for another at a decision they take together, and at
+shutdown, before it gives up on it (hosts.py, peers.py): the bound on how long a slice takes to stop
+after one host fails.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ from typing import Mapping, Optional, Tuple
 
 import jax
 
+from midas_jax import peers
 from midas_jax.errors import ConfigError, require
 
 ENV_VARS = {"coordinator_address": "MIDAS_COORDINATOR_ADDRESS", "num_processes": "MIDAS_NUM_PROCESSES",
             "process_id": "MIDAS_PROCESS_ID"}
+TIMEOUT_VARS = {"initialization_timeout_s": "MIDAS_INITIALIZATION_TIMEOUT_S", "peer_timeout_s": "MIDAS_PEER_TIMEOUT_S"}
+DEFAULT_TIMEOUTS = {"initialization_timeout_s": 600, "peer_timeout_s": 120}
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 # PCI device ids of TPU chips (vendor 0x1ae0, Google): v2/v3, v4, v5p, v5e, v6e. Google's virtual NIC
 # shares the vendor id, so the vendor alone does not mean a TPU.
@@ -38,6 +47,8 @@ class Plan:
   num_processes: int = 1
   process_id: int = 0
   local_device_ids: Optional[Tuple[int, ...]] = None
+  initialization_timeout_s: int = DEFAULT_TIMEOUTS["initialization_timeout_s"]
+  peer_timeout_s: int = DEFAULT_TIMEOUTS["peer_timeout_s"]
 
   @property
   def multi_process(self) -> bool:
@@ -53,6 +64,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                      help=f"processes in the job (env {ENV_VARS['num_processes']})")
   group.add_argument("--process_id", type=int, default=None,
                      help=f"this process's index, 0-based (env {ENV_VARS['process_id']})")
+  group.add_argument("--initialization_timeout_s", type=int, default=None,
+                     help="seconds a process waits for every other to join: the slowest worker's boot "
+                          f"(default {DEFAULT_TIMEOUTS['initialization_timeout_s']}; env "
+                          f"{TIMEOUT_VARS['initialization_timeout_s']})")
+  group.add_argument("--peer_timeout_s", type=int, default=None,
+                     help="seconds a process waits for another at a shared decision or at shutdown before it "
+                          "gives up on it; bounds how long the job takes to stop after one process fails "
+                          f"(default {DEFAULT_TIMEOUTS['peer_timeout_s']}; env {TIMEOUT_VARS['peer_timeout_s']})")
 
 
 def _int_setting(flag: str, value) -> Optional[int]:
@@ -120,19 +139,26 @@ def tpu_chips_present(pci_root: str = "/sys/bus/pci/devices") -> bool:
   return False
 
 
+def _timeouts(args, environ: Mapping[str, str]) -> dict:
+  out = {}
+  for name, env in TIMEOUT_VARS.items():
+    flag_value = getattr(args, name, None) if args is not None else None
+    value = _int_setting(f"--{name}", flag_value if flag_value is not None else environ.get(env))
+    value = DEFAULT_TIMEOUTS[name] if value is None else value
+    require(value >= 1, f"--{name}", f"must be at least 1 second, got {value}", f"pass --{name}=SECONDS")
+    out[name] = value
+  return out
+
+
 def plan(args: Optional[argparse.Namespace] = None, environ: Optional[Mapping[str, str]] = None,
          on_tpu_vm: Optional[bool] = None) -> Plan:
   """Decides how this process joins its job from flags and the environment alone."""
   environ = os.environ if environ is None else environ
-  explicit = _explicit(args, environ)
-  if explicit is not None:
-    return explicit
-  slurm = _slurm(environ)
-  if slurm is not None:
-    return slurm
-  if tpu_chips_present() if on_tpu_vm is None else on_tpu_vm:
-    return Plan("tpu_vm")
-  return Plan("single")
+  timeouts = _timeouts(args, environ)
+  found = _explicit(args, environ) or _slurm(environ)
+  if found is None:
+    found = Plan("tpu_vm") if (tpu_chips_present() if on_tpu_vm is None else on_tpu_vm) else Plan("single")
+  return dataclasses.replace(found, **timeouts)
 
 
 def initialize(args: Optional[argparse.Namespace] = None) -> Plan:
@@ -145,14 +171,16 @@ def initialize(args: Optional[argparse.Namespace] = None) -> Plan:
     return decided
   if jax.distributed.is_initialized():
     return decided
-  if decided.mode == "tpu_vm":
-    jax.distributed.initialize()  # jax reads the workers from the TPU VM's metadata
-  elif decided.mode == "slurm":
-    kwargs = {}
-    if decided.local_device_ids is not None:
-      kwargs["local_device_ids"] = list(decided.local_device_ids)
-    jax.distributed.initialize(**kwargs)  # jax reads the SLURM_* variables itself
-  else:
-    jax.distributed.initialize(coordinator_address=decided.coordinator_address,
-                               num_processes=decided.num_processes, process_id=decided.process_id)
+  peers.settings.timeout_s = decided.peer_timeout_s
+  kwargs = {"initialization_timeout": decided.initialization_timeout_s,
+            "shutdown_timeout_seconds": decided.peer_timeout_s}
+  if decided.mode == "slurm" and decided.local_device_ids is not None:
+    kwargs["local_device_ids"] = list(decided.local_device_ids)
+  if decided.mode == "explicit":
+    kwargs.update(coordinator_address=decided.coordinator_address, num_processes=decided.num_processes,
+                  process_id=decided.process_id)
+  # tpu_vm: jax reads the workers from the TPU VM's metadata; slurm: from the SLURM_* variables.
+  jax.distributed.initialize(**kwargs)
+  peers.attempt_id()  # shared now, while every process is known to be up
+  peers.start_watchdog()
   return decided

@@ -32,6 +32,20 @@ class FaultError(RuntimeError):
   exit_status = 1
 
 
+class HaltedError(FaultError):
+  """A failure that running the same command again would repeat (the same step failed on the attempt
+  before): exit status 3, which no supervisor restarts (midas_jax/exit_status.py)."""
+
+  exit_status = 3
+
+
+class RestartNeededError(FaultError):
+  """The run stopped in a state from which starting it again goes on (a damaged save set aside while the
+  other processes were not answering): exit status 76, which supervisors restart at once."""
+
+  exit_status = 76
+
+
 class StorageUnavailableError(FaultError):
   """The storage did not answer (HTTP 408/429/5xx, a connection reset or timed out, credentials refused)
   after the retries. Nothing stored was judged by it, so the same command run later goes on where this one

@@ -47,6 +47,7 @@ class FaultProxy:
   stall(seconds): every request held that long before it is forwarded, until `stall` is called with 0.
   only: None, or a regular expression: then the faults above apply only to requests whose path (percent-decoded,
     with its query: `/storage/v1/b/B/o/run/checkpoints/4/params/...`) it matches; the others pass untouched.
+  status: what a faulted request is answered with: 503 (the default: unavailable) or e.g. 403 (permission denied).
   Counters: `requests` (all that arrived), `injected` (answered 503 by the proxy); `log` lists every request as
   (method, decoded path, whether it was answered 503 by the proxy).
   """
@@ -57,6 +58,7 @@ class FaultProxy:
     self.delay_s = 0.0
     self.error_rate = 0.0
     self.only: Optional[str] = None
+    self.status = 503
     self.requests = 0
     self.injected = 0
     self.log: List[Tuple[str, str, bool]] = []
@@ -89,7 +91,7 @@ class FaultProxy:
     """No faults: no delay, no errors, no outage, no stall, on any path."""
     with self._lock:
       self.delay_s, self.error_rate, self._stall_s, self._outage_until = 0.0, 0.0, 0.0, 0.0
-      self.only = None
+      self.only, self.status = None, 503
 
   def _decide(self, method: str = "GET", path: str = "") -> tuple:
     """(seconds to wait, whether to answer 503) for one request, counted and logged."""
@@ -145,7 +147,9 @@ class FaultProxy:
         if wait:
           time.sleep(wait)
         if fail:
-          self._answer(503, [("Content-Type", "application/json")], UNAVAILABLE)
+          body = UNAVAILABLE if proxy.status == 503 else json.dumps(
+              {"error": {"code": proxy.status, "message": f"injected by tests/fault_proxy.py: HTTP {proxy.status}"}}).encode()
+          self._answer(proxy.status, [("Content-Type", "application/json")], body)
           return
         upstream = http.client.HTTPConnection("127.0.0.1", proxy.emulator.port, timeout=120)
         try:

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from conftest import REPO_ROOT, tiny_gin, tiny_run
-from midas_jax import cli, configs, fs
+from midas_jax import cli, configs, exit_status, fs
 from midas_jax.checkpoint import available_steps
 from midas_jax.fs import paths
 from midas_jax.fs.background import Periodic
@@ -275,7 +275,7 @@ def test_every_record_once_after_a_sigkill_a_sigterm_and_resumes(gcs, tmp_path):
                   and re.search(r"step \d+ train", second.output.split("resuming")[-1]), "a step after the resume")
   resumed = int(re.search(r"resuming from the checkpoint of step (\d+)", second.output).group(1))
   assert resumed >= seen["save"] and seen["steps"][-1] > seen["save"]
-  assert second.end(signal.SIGTERM) == 0, second.output[-3000:]
+  assert second.end(signal.SIGTERM) == exit_status.PREEMPTED.status, second.output[-3000:]  # saved: restart it
   stopped = int(re.search(r"stopped at step (\d+)", second.output).group(1))
   # The records up to a save are stored as it starts (the run waits for them, up to 10 s), so a resume
   # from it finds them all. Only a save whose async commit beat that upload, and a kill between the two,

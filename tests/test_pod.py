@@ -5,7 +5,7 @@ The run grows at step 4 and logs every 4 steps. When process 0 has logged step 4
 (SIGSTOP) and what it printed is read: the last step it logged is the step the signal comes at.
 Process 1 gets SIGTERM, process 0 is resumed, and both must stop at the same step just after that
 one (jax's preemption service agrees on the step after the furthest either has reached), which falls
-between log steps, after one committed save, with exit status 0. Then that save is damaged and the pair is started again:
+between log steps, after one committed save, with exit status 76 (preempted, saved). Then that save is damaged and the pair is started again:
 process 0 alone moves it aside (once), both restore the growth's save at step 4, and they train to
 the end, logging the same loss at the step the first attempt stopped at.
 """
@@ -20,7 +20,7 @@ import time
 import pytest
 
 from conftest import REPO_ROOT
-from midas_jax import fs
+from midas_jax import exit_status, fs
 from midas_jax.checkpoint import available_steps, checkpoint_dir
 from midas_jax.train.metrics import read_metrics
 import test_kill_resume as kill_resume
@@ -120,7 +120,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resume_agrees(po
   os.kill(procs[0].pid, signal.SIGCONT)
   outputs = finish(procs)
   outputs[0] = head + outputs[0]
-  assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+  assert [p.returncode for p in procs] == [exit_status.PREEMPTED.status] * 2, "\n".join(o[-3000:] for o in outputs)
   stops = [int(re.search(r"stopped at step (\d+) after saving", out).group(1)) for out in outputs]
   # Paused after logging step `signalled`, process 0 had reached at most the next step, and process 1 (which
   # waits for process 0's part of every step it logs) the one after: the agreed stop is at most one further.

@@ -17,10 +17,14 @@ the save left in place. Listing the saves is retried the same way.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
+import logging
 import sys
+import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -76,14 +80,20 @@ def make_manager(directory: str, config: Optional[CheckpointConfig] = None, read
 
 
 def patiently(read: Callable[[], T], url: str, doing: str, config: Optional[CheckpointConfig] = None,
-              step: Optional[int] = None) -> T:
+              step: Optional[int] = None, collective: bool = False) -> T:
   """read(), tried again on storage errors with exponential backoff (1, 2, 4, ... s, at most MAX_BACKOFF_S)
   until config.restore_retries retries or config.restore_timeout_s seconds are spent; then
   StorageUnavailableError. Any other error is classified (_not_a_storage_error): never retried.
 
-  doing: what read() does, for messages ("reading the metadata of"); url: what it reads.
+  doing: what read() does, for messages ("reading the metadata of"); url: what it reads. collective: read()
+  is an orbax restore, whose barriers every process must pass in step: in a multi-process job it is not
+  tried again here (a retry on one process alone would meet the others' barriers out of order); the
+  failure stops the job with status 75, and its supervisor starts it again after a delay.
   """
   config = config or CheckpointConfig()
+  alone = collective and hosts.multi_process()
+  if alone:
+    config = dataclasses.replace(config, restore_retries=0)
   start = time.monotonic()
   for attempt in itertools.count(1):
     try:
@@ -100,7 +110,7 @@ def patiently(read: Callable[[], T], url: str, doing: str, config: Optional[Chec
                           storage_errors.advice(fault, url)) from e
       spent, wait = time.monotonic() - start, min(2.0 ** (attempt - 1), MAX_BACKOFF_S)
       if attempt > config.restore_retries or spent + wait > config.restore_timeout_s:
-        raise StorageUnavailableError(_gave_up(fault, url, doing, step, attempt, spent, config)) from e
+        raise StorageUnavailableError(_gave_up(fault, url, doing, step, attempt, spent, config, alone)) from e
       _say(f"{doing} {url}: {storage_errors.describe(fault)}; trying again in {wait:g} s "
            f"(retry {attempt} of {config.restore_retries})")
       time.sleep(wait)
@@ -108,13 +118,37 @@ def patiently(read: Callable[[], T], url: str, doing: str, config: Optional[Chec
 
 
 def _gave_up(fault, url: str, doing: str, step: Optional[int], attempts: int, spent: float,
-             config: CheckpointConfig) -> str:
+             config: CheckpointConfig, collective: bool = False) -> str:
   left = (f" The save of step {step} was left as it is: a storage error says nothing about it, and the same "
           "command resumes from it." if step is not None else "")
+  if collective:
+    return (f"{doing} {url}: {storage_errors.describe(fault)}, after the storage client's own retries ({spent:.0f} s)."
+            f"{left} A multi-process job does not try this read again itself (it holds orbax's barriers, which "
+            "every process must pass in step): it stops every process with exit status 75, and a supervisor starts "
+            f"it again after a delay.\n  fix: {storage_errors.advice(fault, url)}")
   return (f"{doing} {url}: {storage_errors.describe(fault)}. Gave up after {attempts} tries over {spent:.0f} s "
           f"(CheckpointConfig.restore_retries = {config.restore_retries}, restore_timeout_s = "
           f"{config.restore_timeout_s:g}).{left}\n  fix: {storage_errors.advice(fault, url)}; to wait longer "
           "before giving up, raise CheckpointConfig.restore_timeout_s and restore_retries")
+
+
+def _save_failed(error: BaseException, directory: str, step: Optional[int], stands: Optional[int]) -> Exception:
+  """The error a failed save stops the run with: the step that was not saved, and the one a resume uses."""
+  url = fs.join(directory, str(step))
+  standing = (f"the save of step {stands} stands, and the same command resumes from it" if stands is not None
+              else "the newest committed save stands, and the same command resumes from it")
+  fault = storage_errors.classify(error)
+  if fault is not None and not fault.transient:  # a permission: waiting does not help, so it is bad input
+    return ConfigError("--workdir", f"writing the save of step {step} to {url}: {storage_errors.describe(fault)}. "
+                       f"That save was not committed (a resume ignores it); {standing}",
+                       storage_errors.advice(fault, url))
+  if fault is not None:
+    return StorageUnavailableError(
+        f"writing the save of step {step} to {url}: {storage_errors.describe(fault)}. That save was not committed "
+        f"(a resume ignores it); {standing}.\n  fix: {storage_errors.advice(fault, url)}")
+  detail = f"{type(error).__name__}: {' '.join(str(error).split())[:400]}"
+  return FaultError(f"the save of step {step} to {url} failed ({detail}). That save was not committed (a resume "
+                    f"ignores it); {standing}.\n  fix: see the error above; run the same command again to resume")
 
 
 def _not_a_storage_error(error: BaseException, url: str, doing: str, step: Optional[int]) -> Exception:
@@ -138,13 +172,13 @@ def restore_params(manager, step: int, abstract_params, config: Optional[Checkpo
   url = fs.join(str(manager.directory), str(step))
   return patiently(
       lambda: manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params))),
-      url, "reading the parameters of", config, step).params
+      url, "reading the parameters of", config, step, collective=True).params
 
 
 def restore_metadata(manager, step: int, config: Optional[CheckpointConfig] = None) -> Dict[str, Any]:
   url = fs.join(str(manager.directory), str(step))
   meta = patiently(lambda: manager.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore())),
-                   url, "reading the metadata of", config, step).metadata
+                   url, "reading the metadata of", config, step, collective=True).metadata
   if not isinstance(meta, dict) or meta.get("step") != step:
     raise CorruptCheckpointError(f"step {step}: metadata does not describe this step")
   return meta
@@ -181,6 +215,22 @@ def _marked(directory: str, steps) -> set:
   return {s for s in steps if damage.is_marked(fs.join(directory, str(s)))}
 
 
+class _CommitFailures(logging.Handler):
+  """The exceptions orbax's async save thread ("async_save") reports as it fails. orbax keeps the exception
+  for whoever waits next, but its finalize thread takes it and then waits in a barrier for the other
+  processes (which wait in the commit's barrier for this one) for as long as orbax's timeout; the
+  exception object itself is on the log record (exc_info), so it is caught here, by the thread's name and
+  the record's exception, never by the message's words."""
+
+  def __init__(self):
+    super().__init__(level=logging.ERROR)
+    self.caught: List[BaseException] = []
+
+  def emit(self, record: logging.LogRecord) -> None:
+    if record.threadName == "async_save" and record.exc_info and record.exc_info[1] is not None:
+      self.caught.append(record.exc_info[1])
+
+
 class OrbaxCheckpointer:
   """The train loop's Checkpointer (train/checkpointer.py) on an orbax CheckpointManager."""
 
@@ -189,8 +239,13 @@ class OrbaxCheckpointer:
     self.directory = checkpoint_dir(workdir)
     refresh(self.directory)  # list what is there now, whatever this process listed before
     self._manager = patiently(lambda: make_manager(self.directory, config), self.directory,
-                              "listing the saves in", config)
+                              "listing the saves in", config, collective=True)  # its init has barriers
     self.save_seconds: List[float] = []  # time each save blocked the train loop
+    self._writing: Optional[int] = None  # the step of a save started and not yet known to be committed
+    self._commit_failures = _CommitFailures()
+    self._failed = False  # a save failed and was reported: nothing more to wait for
+    if hosts.multi_process():
+      logging.getLogger("absl").addHandler(self._commit_failures)
 
   def steps(self) -> List[int]:
     """Committed saves, newest first (temporary directories of interrupted saves are not listed, nor saves
@@ -219,27 +274,30 @@ class OrbaxCheckpointer:
       check_layout(step, item, saved, wanted)
     restored = patiently(lambda: self._manager.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(items["params"]), state=ocp.args.StandardRestore(items["state"]))),
-        url, "reading the state of", self.config, step)
+        url, "reading the state of", self.config, step, collective=True)
     state = TrainState(step=restored.state["step"], params=restored.params, opt_state=restored.state["opt_state"])
     if int(state.step) != step or not bool(_all_finite(state.params)):
       raise CorruptCheckpointError(f"step {step}: restored state is not the finite state of step {step}")
     return state
 
-  def quarantine(self, step: int, reason: str) -> None:
+  def quarantine(self, step: int, reason: str, alone: bool = False) -> None:
     """Sets a damaged save aside (damage.py: a marker, then a move; never deleted, no byte copied through
     this process), so the next restore looks at the one before.
 
-    Process 0 sets it aside; every process waits for that before looking at the saves again.
+    Process 0 sets it aside; every process waits for that before looking at the saves again. alone: this
+    process sets it aside without waiting for the others (they are not answering; the caller stops the job).
     """
     reason = reason.removeprefix(f"step {step}: ")
-    if jax.process_index() == 0:
+    if alone or jax.process_index() == 0:
       where = patiently(lambda: damage.set_aside(self.directory, step, reason), fs.join(self.directory, str(step)),
                         "setting aside", self.config)
-      print(f"checkpoint: step {step} is damaged ({reason}); set aside as {where}, trying the previous save",
-            file=sys.stderr, flush=True)
+      print(f"checkpoint: step {step} is damaged ({reason}); set aside as {where}"
+            + ("" if alone else ", trying the previous save"), file=sys.stderr, flush=True)
+    if alone:
+      return
     hosts.barrier(f"midas_quarantine_{step}")
     refresh(self.directory)  # every process sees process 0's move, not its own earlier listing
-    patiently(self._manager.reload, self.directory, "listing the saves in", self.config)
+    patiently(self._manager.reload, self.directory, "listing the saves in", self.config, collective=True)
 
   def due(self, step: int) -> bool:
     return bool(self.config.every) and step % self.config.every == 0
@@ -257,21 +315,81 @@ class OrbaxCheckpointer:
     if not bool(_all_finite(state.params)):
       raise NonFiniteLossError(f"the parameters at step {step} are not finite; not saving them")
     start = time.time()
-    self._manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(state.params),
-        state=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
-        metadata=ocp.args.JsonSave(dict(metadata or {}, step=step))), force=True)
+    if hosts.multi_process():
+      self.wait()  # orbax's save waits for the one before too, but unwatched (_wait_watching)
+    with self._saving(step):  # it first waits for the save before it, whose failure surfaces here
+      self._manager.save(step, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(state.params),
+          state=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
+          metadata=ocp.args.JsonSave(dict(metadata or {}, step=step))), force=True)
+    self._writing = step if self.config.async_save else None
     self.save_seconds.append(time.time() - start)
     _say(f"saving step {step}" + (" (async)" if self.config.async_save else ""))
     return True
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    if self._failed:
+      return  # a save failed and was reported already: closing after it waits for nothing
+    with self._saving():
+      if hosts.multi_process():
+        self._wait_watching()
+      else:
+        self._manager.wait_until_finished()
+    self._writing = None
+
+  def _wait_watching(self) -> None:
+    """orbax's wait for the async save, on a helper thread, while this thread looks each second for a
+    failure of this process's own part of it. Where one process's writes fail, orbax's threads on the
+    processes wait in different barriers for each other (the others in the commit's, this one in the
+    finalize's) for as long as orbax's timeout; the error, raised here at once, stops every process
+    (peers.py) instead."""
+    failed: List[BaseException] = []
+
+    def wait():
+      try:
+        self._manager.wait_until_finished()
+      except BaseException as e:  # pylint: disable=broad-except  # handed to the waiting thread
+        failed.append(e)
+
+    waiter = threading.Thread(target=wait, name="midas-save-wait", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+      waiter.join(timeout=1.0)
+      if waiter.is_alive() and self._commit_failures.caught:
+        raise self._commit_failures.caught[0]
+    if failed:
+      raise failed[0]
 
   def close(self) -> None:
     """Waits for the last async save: an unwaited save is lost when the process exits."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    try:
+      self.wait()
+      if not self._failed:  # orbax's close waits for the failed save's threads, which wait for the others
+        self._manager.close()
+    finally:
+      logging.getLogger("absl").removeHandler(self._commit_failures)
+
+  @contextlib.contextmanager
+  def _saving(self, starting: Optional[int] = None) -> Iterator[None]:
+    """Turns a save that failed (the async one before, failing in orbax's commit thread, or this one)
+    into an error that names the step not saved and the save that stands: StorageUnavailableError (status
+    75) when the storage did not answer, FaultError otherwise. Nothing is set aside: orbax commits a save
+    only once it is whole, and a resume never sees one that is not."""
+    try:
+      yield
+    except (ConfigError, NonFiniteLossError):
+      raise
+    except Exception as e:  # pylint: disable=broad-except  # orbax and the clients raise their own types
+      step = self._writing if self._writing is not None else starting
+      self._writing, self._failed = None, True
+      raise _save_failed(e, self.directory, step, self._committed_before(step)) from e
+
+  def _committed_before(self, step: Optional[int]) -> Optional[int]:
+    try:
+      self._manager.reload()
+      return max((s for s in self._manager.all_steps() if step is None or s < step), default=None)
+    except Exception:  # pylint: disable=broad-except  # the listing fails too in an outage
+      return None
 
 
 def available_steps(workdir: str) -> List[int]:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 
-from midas_jax import compare, distributed, fs
+from midas_jax import compare, distributed, exit_status, fs
 from midas_jax.commands.common import (CommandGroup, add_gin_flags, enable_compilation_cache, load_run_config,
                                        profile_binding, start_backend)
-from midas_jax.errors import ConfigError
+from midas_jax.errors import ConfigError, NonFiniteLossError
+from midas_jax.train import attempts
 from midas_jax.train.run import train
 
 
@@ -45,11 +46,20 @@ def _train(args, bindings) -> int:
   start_backend(config, args)  # libtpu flags, then jax.distributed: before anything asks jax for its devices
   enable_compilation_cache()
   allowed = [k.strip() for k in args.allow_config_changes.split(",") if k.strip()]
-  result = train(config, args.workdir, operative_config=operative, allow_config_changes=allowed)
+  try:
+    result = train(config, args.workdir, operative_config=operative, allow_config_changes=allowed)
+  except (ConfigError, NonFiniteLossError):  # never restarted anyway
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    if getattr(e, "exit_status", exit_status.FAILED.status) == exit_status.FAILED.status:
+      attempts.check_repeat(args.workdir, e)  # the same step twice: HaltedError, status 3
+    raise
+  attempts.clear(args.workdir)
   print(json.dumps({"steps": result.steps, "preempted": result.preempted, "final_loss": result.final_loss,
                     "final_eval_loss": result.final_eval_loss,
                     "wall_seconds": round(result.wall_seconds, 1), "workdir": result.workdir}))
-  return 0
+  # A preemption's save stands: 76 tells a supervisor to start the run again (it resumes from that save).
+  return exit_status.PREEMPTED.status if result.preempted else exit_status.FINISHED.status
 
 
 def _compare(args, bindings) -> int:

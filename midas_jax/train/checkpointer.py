@@ -22,7 +22,8 @@ class Checkpointer(Protocol):
 
   def restore(self, layout: StateLayout, step: int) -> TrainState: ...  # in layout's shardings
 
-  def quarantine(self, step: int, reason: str) -> None: ...  # sets a damaged save aside (never deletes it)
+  # Sets a damaged save aside (never deletes it); alone: without waiting for the other processes.
+  def quarantine(self, step: int, reason: str, alone: bool = False) -> None: ...
 
   def set_aside_saves(self) -> List[Tuple[str, str]]: ...  # (name, why) of the saves set aside so far
 
@@ -50,7 +51,7 @@ class NoCheckpointer:
   def restore(self, layout: StateLayout, step: int) -> TrainState:
     raise AssertionError("NoCheckpointer has nothing to restore")
 
-  def quarantine(self, step: int, reason: str) -> None:
+  def quarantine(self, step: int, reason: str, alone: bool = False) -> None:
     raise AssertionError("NoCheckpointer has nothing to quarantine")
 
   def set_aside_saves(self) -> List[Tuple[str, str]]:

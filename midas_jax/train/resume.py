@@ -9,10 +9,14 @@ step 0; saves set aside by an earlier attempt count, so running the same command
 without being asked. A save written under a different config is refused before anything is compiled,
 unless the differences are allowed (metadata.check_resumable).
 
-In a multi-process job the processes agree (hosts.py): every one tries the step process 0 names, a
-failure on any process stops all of them, a save counts as good only if it restored on all of them, and
-a damaged one is set aside by process 0 alone while the others wait, so all of them continue from the
-same step.
+In a multi-process job the processes agree (hosts.py, through the coordinator's key-value store, never a
+device collective): every one tries the step process 0 names; a failure on any process stops it at once,
+and peers.py stops every other one with its status, whatever orbax collective they wait in; a save counts
+as good only if it restored on all of them, and a damaged one is set aside by process 0 alone while the
+others wait, so all of them continue from the same step. A process that finds damage while the others do
+not answer (they wait in a restore barrier its failed read never joined) sets the save aside itself, the
+first to claim it in the store, and stops the job with status 76: started again, it resumes from the
+save before.
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import jax
 
-from midas_jax import fs, hosts
+from midas_jax import fs, hosts, peers
 from midas_jax.checkpoint import metadata as metadata_lib
 from midas_jax.checkpoint.damage import CorruptCheckpointError, LayoutMismatchError
 from midas_jax.checkpoint.load import load_model
 from midas_jax.console import say
-from midas_jax.errors import ConfigError, FaultError
+from midas_jax.errors import ConfigError, RestartNeededError
 from midas_jax.train.checkpointer import Checkpointer
 from midas_jax.train.stages import Stage, StageController
 from midas_jax.train_state import TrainState
@@ -84,17 +88,41 @@ def start(controller: StageController, checkpointer: Checkpointer, resolved_conf
       break
     tried.add(step)
     found, problem, failure = _restore(controller, checkpointer, step, resolved_config, allow_config_changes)
-    if not hosts.all_true(failure is None):  # a fault on any process stops every one, the save left in place
-      raise failure or FaultError(f"another process could not restore the save of step {step} (its log says "
-                                  "why); the save was left as it is\n  fix: see that process's error")
-    if hosts.all_true(problem is None):
+    if failure is not None:  # stops every process (peers.py), the save left in place
+      raise failure
+    try:
+      problems = hosts.exchange(f"restore/{step}", problem)
+    except hosts.PeerTimeoutError as e:
+      if problem is None:
+        raise
+      _set_aside_alone(checkpointer, step, problem, e)
+    problem = next((p for p in problems if p is not None), None)
+    if problem is None:
       meta, state, stage, accepted = found
       controller.growths = list(meta.get("growths", []))
       return Start(step, state, stage, tuple(accepted))
-    checkpointer.quarantine(step, problem or "it could not be restored on another process")
+    checkpointer.quarantine(step, problem)
   _no_usable_save(controller.config.checkpoint.on_no_usable_save, checkpointer)
   state, stage = _initial_state(controller, controller.config.checkpoint.init_from)
   return Start(0, state, stage)
+
+
+def _set_aside_alone(checkpointer: Checkpointer, step: int, problem: str, silence: Exception) -> None:
+  """This process found damage and the others did not answer: the first such process to claim the save in
+  the coordinator's store sets it aside; every one stops with RestartNeededError (status 76)."""
+  kv = peers.client()
+  try:
+    kv.key_value_set(f"midas/set_aside/{step}", str(jax.process_index()))  # refused if another claimed it
+    claimed = True
+  except Exception:  # pylint: disable=broad-except
+    claimed = False
+  if claimed:
+    checkpointer.quarantine(step, problem, alone=True)
+  raise RestartNeededError(
+      f"the save of step {step} is damaged ({problem}) and the other processes did not answer ({silence}); it "
+      f"was set aside{'' if claimed else ' by another process'}, so the job stops and, started again, resumes "
+      "from the save before it\n  fix: none needed: a supervisor restarts exit status 76 at once; by hand, run "
+      "the same command again") from silence
 
 
 def _no_usable_save(policy: str, checkpointer: Checkpointer) -> None:

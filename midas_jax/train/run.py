@@ -32,6 +32,7 @@ from midas_jax.train.checkpointer import Checkpointer
 from midas_jax.train.goodput import Goodput
 from midas_jax.train.growth_probe import GrowthProbe
 from midas_jax.train.metrics import MetricWriter, NullWriter, Progress
+from midas_jax.train import attempts
 from midas_jax.train.preemption import PreemptionGuard
 from midas_jax.train.profiler import StepProfiler
 from midas_jax.train.shared_paths import check_shared_paths
@@ -178,17 +179,21 @@ class TrainingRun:
     state, done, preempted = self.start_state, self.start_step, False
     self.start_state = None  # the loop owns the state now (its buffers are donated step by step)
     with PreemptionGuard() as guard:
-      for step in range(self.start_step, trainer.num_steps):
-        if self.schedule.stage_at(step) > self.stage.index:  # a boundary (or resumed just before one)
-          state = self.grow(state, step)
-        state = self.step(state, step)
-        done = step + 1
-        preempted = guard.stop_after(done)  # every step, on every process the same answer
-        if self._record_due(done, preempted):
-          self.log_and_save(state, done, preempted)
-        if preempted:
-          say(f"stopped at step {done} after saving; run the same command to resume")
-          break
+      try:
+        for step in range(self.start_step, trainer.num_steps):
+          if self.schedule.stage_at(step) > self.stage.index:  # a boundary (or resumed just before one)
+            state = self.grow(state, step)
+          state = self.step(state, step)
+          done = step + 1
+          preempted = guard.stop_after(done)  # every step, on every process the same answer
+          if self._record_due(done, preempted):
+            self.log_and_save(state, done, preempted)
+          if preempted:
+            say(f"stopped at step {done} after saving; run the same command to resume")
+            break
+      except Exception as e:
+        attempts.failed_at(e, done)  # for the rule that a failure repeated at one step is not restarted
+        raise
     if not preempted:
       self._save(state, trainer.num_steps, force=True)  # a no-op unless the loop had no step left to run
       self._write_stages(trainer.num_steps)
