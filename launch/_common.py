@@ -1,7 +1,8 @@
 """What the launchers share: the midas command after `--`, and running (or printing) shell commands.
 
 Plain standard-library Python, so the launchers start instantly and need no installed package; the
-accelerators' facts come from this checkout's midas_jax/hardware.py, standard library only as well.
+accelerators' facts come from this checkout's midas_jax/hardware.py and the exit statuses from its
+midas_jax/exit_status.py, standard library only as well.
 """
 
 from __future__ import annotations

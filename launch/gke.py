@@ -8,11 +8,12 @@
 Actions: build (the image from launch/Dockerfile: Python 3.11 and `.[tpu]`, then push), manifest
 (print the JobSet), apply (write it and `kubectl apply` it), logs (follow the first pod), delete
 (SIGTERM to every pod: the run saves and exits). --dry-run prints the commands and the manifest.
-When a pod fails (its node preempted or repaired, a crash), JobSet re-creates all of the job's pods
-(up to --max_restarts times) and the run resumes from its workdir; exit status 2 (bad input) fails
-the JobSet instead. jax finds its peers from the variables GKE sets in TPU pods (TPU_WORKER_HOSTNAMES,
-and MEGASCALE_* across slices). Needs the JobSet controller in the cluster, and a Kubernetes service
-account that may use the bucket (Workload Identity: --service_account).
+The pods' exit statuses (docs/pods.md#exit-statuses) decide what happens: a preempted run (76), or a
+pod its node's disruption killed, is replaced without using a restart; a failure (1, 75, a signal)
+re-creates all of the job's pods (up to --max_restarts times); bad input or a halted run (2, 3) fails
+the JobSet. Every start resumes from the workdir. jax finds its peers from the variables GKE sets in
+TPU pods (TPU_WORKER_HOSTNAMES, and MEGASCALE_* across slices). Needs the JobSet controller in the
+cluster, and a Kubernetes service account that may use the bucket (Workload Identity: --service_account).
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ from typing import Dict, List, Sequence, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (REPO_ROOT, Runner, parse_pod_args, require_midas_args,  # noqa: E402  pylint: disable=wrong-import-position
                      split_midas_args, with_accelerator, with_compile_cache)
-from midas_jax import hardware  # noqa: E402  pylint: disable=wrong-import-position
+from midas_jax import exit_status, hardware  # noqa: E402  pylint: disable=wrong-import-position
 
 ACTIONS = ("build", "manifest", "apply", "logs", "delete")
 STOP_GRACE_S = 900  # SIGTERM makes the run save; Kubernetes waits this long before SIGKILL
-BAD_INPUT_STATUS = 2  # midas's exit status for a ConfigError: a restart would fail the same way
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -46,7 +46,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
   parser.add_argument("--slices", type=int, default=1, help="slices joined by DCN (one node pool each)")
   parser.add_argument("--spot", action="store_true", help="schedule on Spot node pools")
   parser.add_argument("--max_restarts", type=int, default=20,
-                      help="times JobSet re-creates the job after a failed pod (each preemption is one)")
+                      help="times JobSet re-creates the jobs after a failed pod (a preemption is not counted)")
   parser.add_argument("--service_account", default=None, help="Kubernetes service account of the pods")
   parser.add_argument("--namespace", default=None)
   parser.add_argument("--out", default=None, help="where apply writes the manifest (default: a temp file)")
@@ -107,9 +107,7 @@ def manifest(args) -> Dict:
       "resources": {"limits": {"google.com/tpu": chips_per_host}},
   }]
   job = {"parallelism": hosts, "completions": hosts, "backoffLimit": 0,
-         "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
-             "containerName": "midas", "operator": "In", "values": [BAD_INPUT_STATUS]}}]},
-         "template": {"spec": pod}}
+         "podFailurePolicy": {"rules": pod_failure_rules()}, "template": {"spec": pod}}
   metadata = {"name": args.name,
               "annotations": {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}}
   if args.namespace:
@@ -118,6 +116,23 @@ def manifest(args) -> Dict:
           "spec": {"failurePolicy": {"maxRestarts": args.max_restarts,
                                      "rules": [{"action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]},
                    "replicatedJobs": [{"name": "slice", "replicas": args.slices, "template": {"spec": job}}]}}
+
+
+def pod_failure_rules() -> List[Dict]:
+  """The Job's podFailurePolicy: what a pod's ending does (docs/pods.md#exit-statuses), first match wins.
+
+  FailJob on the never-restart statuses: JobSet's rule on the reason PodFailurePolicy fails the JobSet.
+  Ignore on a preemption (76) and on a pod its node's disruption killed (DisruptionTarget): the pod is
+  replaced and neither backoffLimit nor the JobSet's maxRestarts is used. Anything else is counted: with
+  backoffLimit 0 the job fails and JobSet re-creates every job, one of --max_restarts. Kubernetes has no
+  delay to give a storage outage (75): it restarts as a failure does. Status 0 is a success, not a
+  failure, and may not be listed (the API refuses 0 with `In`).
+  """
+  def on_exit(action: str, statuses) -> Dict:
+    return {"action": action, "onExitCodes": {"containerName": "midas", "operator": "In",
+                                               "values": sorted(s for s in statuses if s != 0)}}
+  return [on_exit("FailJob", exit_status.NEVER_RESTART), on_exit("Ignore", [exit_status.PREEMPTED.status]),
+          {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
 
 
 def to_yaml(value, indent: int = 0) -> List[str]:
@@ -142,7 +157,8 @@ def render(args) -> str:
   label, topology, hosts, chips = args.shape
   header = [f"# Written by launch/gke.py: {args.slices} slice(s) of {args.accelerator} ({label}, {topology}), "
             f"{hosts} pod(s) of {chips} chips per slice.",
-            "# A failed pod (preempted or repaired node, crash) re-creates the job; the run resumes from its workdir."]
+            "# A preempted pod is replaced, a failed one (crash, storage outage) re-creates the job, bad input or a",
+            "# halted run fails the JobSet (docs/pods.md#exit-statuses); every start resumes from the workdir."]
   return "\n".join(header + to_yaml(manifest(args))) + "\n"
 
 

@@ -11,7 +11,8 @@ needs no coordinator flags. With one task per GPU (the default) each process dri
 numbered by its local rank; --tasks_per_node=1 gives one process all of its node's GPUs. The
 workdir must be on storage every node sees (a shared file system, or a gs:// URL, which every
 output is written to directly): checkpoints are written by all processes together. --env=KEY=VALUE
-exports a variable to every task (srun passes the script's environment on).
+exports a variable to every task (srun passes the script's environment on). The job ends with the
+run's exit status, and its log says what that status means (docs/pods.md#exit-statuses).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import List, Sequence
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (Runner, add_dry_run, add_env, parse_env, require_midas_args, split_midas_args,  # noqa: E402  pylint: disable=wrong-import-position
                      workdir_note)
+from midas_jax import exit_status  # noqa: E402  pylint: disable=wrong-import-position
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,9 +90,26 @@ def sbatch_script(args) -> str:
   lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(args.env.items())]
   lines += [
       "export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92  # leave room for NCCL's buffers",
-      "srun --kill-on-bad-exit=1 " + shlex.join(["python", "-m", "midas_jax", *args.midas_args]),
+      "status=0",
+      "srun --kill-on-bad-exit=1 " + shlex.join(["python", "-m", "midas_jax", *args.midas_args]) + " || status=$?",
+      *exit_report(),
+      'exit "$status"',
   ]
   return "\n".join(lines) + "\n"
+
+
+def exit_report() -> List[str]:
+  """Lines of the batch script that say what the run's exit status means, and what to do next."""
+  arms = []
+  for c in exit_status.ALL:
+    if c.status == exit_status.FINISHED.status:
+      continue
+    again = ("do not submit it again unchanged" if c.status in exit_status.NEVER_RESTART else
+             "submit this script again (it resumes from the workdir)" + ("" if c.restart == "now" else ", later"))
+    arms.append(f"  {c.status}) echo {shlex.quote(f'midas: ended with {exit_status.describe(c.status)}: {again}')} ;;")
+  return ['case "$status" in', "  0) ;;", *arms,
+          '  *) echo "midas: ended with status $status (a signal or a crash): submit this script again (it resumes '
+          'from the workdir)" ;;', "esac"]
 
 
 def main(argv: Sequence[str] = None) -> int:

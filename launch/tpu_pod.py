@@ -5,18 +5,22 @@
                --gin_file=gin/meshes/tpu_v5p_128.gin --workdir=gs://BUCKET/runs/paper_1b_midas
 
 Actions on a TPU VM created directly: up (create it, or restart the run on it, then follow the log),
-create, run (restart the run with this checkout and command), logs, stop (SIGTERM: the run saves and
-exits), delete. With a queued resource (the way to get most v5p/v5e capacity, and the only way to get
-several slices: --slices=N): queue (request it), watch (request it if needed, then queue it again
-whenever it is SUSPENDED or FAILED, e.g. a Spot slice preempted), and logs, run, stop, delete with
---queued. --dry-run prints the commands instead of running them.
+create, run (restart the run with this checkout and command), logs, stop (`systemctl stop`: SIGTERM,
+the run saves and exits, and is not restarted until a boot or `run`), delete. With a queued resource
+(the way to get most v5p/v5e capacity, and the only way to get several slices: --slices=N): queue
+(request it), watch (request it if needed, then queue it again whenever it is SUSPENDED or FAILED,
+e.g. a Spot slice preempted), and logs, run, stop, delete with --queued. --dry-run prints the
+commands instead of running them.
 
-How a run survives: the checkout (a tarball) and the run's systemd unit go to a stage on GCS
-(--stage, default WORKDIR/launch); every worker gets tpu_startup.sh as its metadata start-up script,
-which runs on every boot, installs uv, Python 3.11 and `.[tpu]`, and starts the unit. The unit
-restarts a failed run (Restart=on-failure), and every start resumes from the workdir. Every worker
-runs the same command; jax finds the others from the TPU VM's metadata. The run's output is the
-journal's (`logs` follows it); nothing of the run is written to a worker's disk.
+How a run survives: the checkout (a tarball), the run's systemd unit and a wheelhouse of every wheel
+the workers install (once per set of constraints) go to a stage on GCS (--stage, default
+WORKDIR/launch); every worker gets tpu_startup.sh as its metadata start-up script, which runs on
+every boot, installs uv, Python 3.11 and `.[tpu]` from the wheelhouse (no package index), and
+enables and starts the unit. The unit restarts the run by its exit status
+(docs/pods.md#exit-statuses: a preemption at once, a failure or a storage outage after a delay,
+never a finished, refused or halted run), a boot starts it, and every start resumes from the
+workdir. Every worker runs the same command; jax finds the others from the TPU VM's metadata. The
+run's output is the journal's (`logs` follows it); nothing of the run is written to a worker's disk.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                            "(default: WORKDIR/launch)")
   parser.add_argument("--extras", default="tpu",
                       help="the package's extras to install (setup.py); `tpu` is all a run on a prepared store needs")
+  parser.add_argument("--wheelhouse", choices=("on", "off"), default="on",
+                      help="on: stage every wheel the workers install beside the checkout (once per set of "
+                           "constraints), so that a boot needs no package index; off: workers install from PyPI")
   parser.add_argument("--run_name", default="midas", help="names the run's systemd unit on the workers (midas-NAME)")
   parser.add_argument("--log_worker", type=int, default=0, help="the worker (of the first slice) `logs` follows")
   args = parse_pod_args(parser, own, midas_args)
@@ -133,7 +140,7 @@ def startup_file(args, runner: Runner) -> str:
   path = local_file(args, "startup.sh")
   if not runner.dry_run:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-  runner.write(path, worker.startup_script(args.stage, unit(args), args.extras))
+  runner.write(path, worker.startup_script(args.stage, unit(args), args.extras, args.wheelhouse == "on"))
   return path
 
 
@@ -152,6 +159,25 @@ def stage(args, runner: Runner) -> None:
               "--exclude=__pycache__", "-C", os.path.abspath(args.source), "."])
   runner.write(service, worker.unit_file(args.run_name, args.midas_args, env))
   runner.run(["gcloud", "storage", "cp", archive, service, f"{args.stage}/"])
+  if args.wheelhouse == "on":
+    stage_wheelhouse(args, runner)
+
+
+def stage_wheelhouse(args, runner: Runner) -> None:
+  """The wheels every worker installs from, without a package index: downloaded here and uploaded beside
+  the checkout, once for each set of constraints and requirements (a marker names the set staged)."""
+  source = os.path.abspath(args.source)
+  key = worker.wheelhouse_key(source, args.extras)
+  remote, marker = f"{args.stage}/{worker.WHEELHOUSE}", f"staged-{key}"
+  if runner.succeeds(["gcloud", "storage", "ls", f"{remote}/{marker}"]):
+    runner.note(f"the wheelhouse for these constraints is staged already: {remote}")
+    return
+  runner.note(f"if `ls` fails, the wheels the workers install are downloaded here and staged in {remote}:")
+  local = local_file(args, f"{worker.WHEELHOUSE}-{key}")
+  runner.run(worker.wheelhouse_download(source, args.extras, local))
+  runner.run(["gcloud", "storage", "rsync", "--recursive", "--delete-unmatched-destination-objects", local, remote])
+  runner.write(local_file(args, marker), f"{key}\n")
+  runner.run(["gcloud", "storage", "cp", local_file(args, marker), f"{remote}/{marker}"])
 
 
 def tier_flags(args) -> List[str]:
@@ -201,9 +227,11 @@ def follow(args, runner: Runner) -> None:
 
 
 def stop(args, runner: Runner) -> None:
+  """Stops the unit: SIGTERM, the run saves and exits, and systemd does not restart a unit it was told to
+  stop (it waits up to the unit's TimeoutStopSec for the save, then kills it)."""
   for node in nodes(args):
-    runner.run(ssh(args, node, f"sudo systemctl kill --signal=SIGTERM {unit(args)} 2>/dev/null || true"))
-  runner.note("the run saved and stopped; a worker's next boot starts it again (`delete` when it is done)")
+    runner.run(ssh(args, node, f"sudo systemctl stop {unit(args)} 2>/dev/null || true"))
+  runner.note("the run saved and stopped; a worker's next boot, or `run`, starts it again (`delete` when it is done)")
 
 
 def delete(args, runner: Runner) -> None:

@@ -6,6 +6,8 @@ a folder with stand-ins for gcloud, pip, uv and systemctl, and the unit is check
 """
 
 import ast
+import base64
+import hashlib
 import importlib.metadata
 import os
 import re
@@ -13,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import zipfile
 
 import pytest
 import yaml
@@ -56,8 +59,18 @@ def verbs(cmds):
 
 def test_tpu_pod_up_stages_the_run_and_creates_the_slice_with_a_startup_script():
   notes, cmds = dry_run("tpu_pod.py", "up", "--dry-run", *POD, "--accelerator=v5p-128", "--spot", "--", *GS_MIDAS)
-  assert verbs(cmds) == ["tar czf", "gcloud storage", "describe", "create", "ssh"]
-  tar, upload, _, create, follow = cmds
+  assert verbs(cmds) == ["tar czf", "gcloud storage", "gcloud storage", f"{sys.executable} -m", "gcloud storage",
+                         "gcloud storage", "describe", "create", "ssh"]
+  tar, upload, probe, download, sync, marker, _, create, follow = cmds
+  # The wheelhouse: staged once for these constraints (the probe), every wheel a worker installs, for its platform
+  key = _tpu_worker.wheelhouse_key(REPO_ROOT, "tpu")
+  assert probe == ["gcloud", "storage", "ls", f"gs://bucket/runs/x/launch/wheelhouse/staged-{key}"]
+  assert download[3] == "download" and "--only-binary=:all:" in download
+  assert "--platform=manylinux_2_35_x86_64" in download and "--python-version=3.11" in download
+  assert "jax[tpu]>=0.10.0,<0.11" in download and f"uv=={_tpu_worker.UV_VERSION}" in download
+  assert download[download.index("-c") + 1] == os.path.join(REPO_ROOT, "requirements", "constraints.txt")
+  assert sync[:3] == ["gcloud", "storage", "rsync"] and sync[-2] == download[download.index("--dest") + 1]
+  assert sync[-1] == "gs://bucket/runs/x/launch/wheelhouse" and marker[-1] == probe[-1]
   assert tar[-2:] == [REPO_ROOT, "."] and "--exclude=.git" in tar and "--exclude=.venv" in tar
   assert upload[:3] == ["gcloud", "storage", "cp"] and upload[3] == tar[2]
   assert upload[-1] == "gs://bucket/runs/x/launch/"  # the stage: beside the run, where every boot finds it
@@ -68,7 +81,7 @@ def test_tpu_pod_up_stages_the_run_and_creates_the_slice_with_a_startup_script()
   assert "STAGE=gs://bucket/runs/x/launch" in script and "UNIT=midas-midas" in script and "EXTRAS=tpu" in script
   assert "@" not in script.split("MIDAS_ROOT=")[0]  # every setting filled in
   unit = written(notes, "midas-midas.service")
-  assert "Restart=on-failure" in unit and "RestartPreventExitStatus=2" in unit
+  assert "Restart=always" in unit and "RestartPreventExitStatus=0 2 3" in unit and "WantedBy=multi-user.target" in unit
   assert unit.count("ExecStart=") == 1
   exec_start = next(l for l in unit.splitlines() if l.startswith("ExecStart="))
   assert exec_start.endswith(" -m midas_jax " + " ".join(f'"{a}"' for a in GS_MIDAS))
@@ -81,7 +94,8 @@ def test_tpu_pod_up_stages_the_run_and_creates_the_slice_with_a_startup_script()
 
 
 def test_tpu_pod_queues_one_slice_or_several_with_spot_or_reserved_capacity():
-  _, cmds = dry_run("tpu_pod.py", "queue", "--dry-run", *POD, "--accelerator=v5e-64", "--reserved", "--", *GS_MIDAS)
+  _, cmds = dry_run("tpu_pod.py", "queue", "--dry-run", *POD, "--accelerator=v5e-64", "--reserved", "--wheelhouse=off",
+                    "--", *GS_MIDAS)
   assert verbs(cmds) == ["tar czf", "gcloud storage", "create"]
   queue = cmds[-1]
   assert queue[:6] == ["gcloud", "compute", "tpus", "queued-resources", "create", "pod"]
@@ -97,7 +111,7 @@ def test_tpu_pod_queues_one_slice_or_several_with_spot_or_reserved_capacity():
 
 def test_tpu_pod_watch_queues_a_suspended_or_failed_resource_again():
   notes, cmds = dry_run("tpu_pod.py", "watch", "--dry-run", *POD, "--accelerator=v5p-128", "--spot", "--poll_s=60",
-                        "--", *GS_MIDAS)
+                        "--wheelhouse=off", "--", *GS_MIDAS)
   assert [c[4] if c[2] == "tpus" else c[1] for c in cmds] == [
       "describe", "czf", "storage", "create", "delete", "create"]
   assert "--format=value(state.state)" in cmds[0]
@@ -109,7 +123,7 @@ def test_tpu_pod_watch_queues_a_suspended_or_failed_resource_again():
 
 def test_tpu_pod_run_restarts_the_run_on_every_worker_of_every_slice():
   notes, cmds = dry_run("tpu_pod.py", "run", "--dry-run", *POD, "--queued", "--slices=2", "--env=FOO=bar baz",
-                        "--", *GS_MIDAS)
+                        "--wheelhouse=off", "--", *GS_MIDAS)
   ssh = [c for c in cmds if c[4] == "ssh"]
   restarts = [c for c in ssh if "--command=sudo google_metadata_script_runner startup" in c]
   assert [c[5] for c in restarts] == ["pod-0", "pod-1"] and all("--worker=all" in c for c in restarts)
@@ -117,13 +131,13 @@ def test_tpu_pod_run_restarts_the_run_on_every_worker_of_every_slice():
   assert 'Environment="FOO=bar baz"' in written(notes, "midas-midas.service")
   for cmd in cmds:  # the run's output goes to the journal and the bucket, never a file on a worker
     assert not any(WORKER_FILES.search(TO_NOWHERE.sub("", a)) for a in cmd if a.startswith("--command=")), cmd
-  _, cmds = dry_run("tpu_pod.py", "run", "--dry-run", *POD, "--", *GS_MIDAS)
+  _, cmds = dry_run("tpu_pod.py", "run", "--dry-run", *POD, "--wheelhouse=off", "--", *GS_MIDAS)
   # a VM made directly gets the script in its metadata first; then the restart, and the log
   assert [c[4] for c in cmds if c[1] == "compute"] == ["update", "ssh", "ssh"]
 
 
 @pytest.mark.parametrize("action,flags,verb,expected", [
-    ("stop", [], "ssh", "systemctl kill --signal=SIGTERM midas-midas"),
+    ("stop", [], "ssh", "sudo systemctl stop midas-midas"),  # not `kill`: a unit told to stop is not restarted
     ("delete", [], "delete", "--quiet"),
     ("delete", ["--queued"], "delete", "--force"),
     ("logs", [], "ssh", "journalctl --unit=google-startup-scripts.service --unit=midas-midas --follow"),
@@ -183,6 +197,9 @@ if [ "$1" = venv ]; then mkdir -p "$4/bin" && touch "$4/bin/python" && chmod +x 
 """
 STUBS = {  # stand-ins that log their arguments: gcloud copies from a folder standing for the bucket
     "gcloud": """
+if [ "$1 $2" = "storage rsync" ]; then  # a folder of the bucket into a local one
+  src="${@: -2:1}"; dest="${@: -1}"; mkdir -p "$dest"; cp -r "$FAKE_GCS/${src#gs://}/." "$dest/"; exit $?
+fi
 if [ "$1 $2" != "storage cp" ]; then exit 3; fi
 shift 2; dest="${@: -1}"
 for src in "${@:1:$#-1}"; do cp "$FAKE_GCS/${src#gs://}" "$dest" || exit 1; done""",
@@ -202,50 +219,146 @@ def boot(script, tmp_path, env):
   return proc, calls
 
 
-def test_the_startup_script_installs_once_and_starts_the_run_at_every_boot(tmp_path):
+def stage_checkout(bucket, tmp_path, marker="# the checkout\n"):
+  """A source archive on the stand-in bucket; another marker is another checkout (`tpu_pod.py run`)."""
+  checkout = tmp_path / "checkout"
+  checkout.mkdir(exist_ok=True)
+  (checkout / "setup.py").write_text(marker)
+  with tarfile.open(bucket / _tpu_worker.SOURCE_ARCHIVE, "w:gz") as tar:
+    tar.add(checkout, arcname=".")
+
+
+def startup_sandbox(tmp_path, run="r"):
+  """A worker in a folder: a stand-in bucket with the stage, stand-ins for gcloud, pip, uv and systemctl,
+  and the start-up script; returns (script, env, bucket, root)."""
   bucket, stubs, root = tmp_path / "gcs" / "b" / "stage", tmp_path / "bin", tmp_path / "root"
   bucket.mkdir(parents=True)
   stubs.mkdir()
   for name, body in STUBS.items():
     (stubs / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "$CALLS"\n{body}\n')
     (stubs / name).chmod(0o755)
-  (tmp_path / "checkout").mkdir()
-  (tmp_path / "checkout" / "setup.py").write_text("# the checkout\n")
-  with tarfile.open(bucket / "midas_src.tgz", "w:gz") as tar:
-    tar.add(tmp_path / "checkout", arcname=".")
-  (bucket / "midas-r.service").write_text(_tpu_worker.unit_file("r", GS_MIDAS, {}))
+  stage_checkout(bucket, tmp_path)
+  (bucket / _tpu_worker.WHEELHOUSE).mkdir()
+  (bucket / f"midas-{run}.service").write_text(_tpu_worker.unit_file(run, GS_MIDAS, {}))
   (tmp_path / "uv_stub").write_text(UV_STUB)
   script = tmp_path / "startup.sh"
-  script.write_text(_tpu_worker.startup_script("gs://b/stage", "midas-r", "tpu"))
-  (tmp_path / "units").mkdir()
+  script.write_text(_tpu_worker.startup_script("gs://b/stage", f"midas-{run}", "tpu"))
+  for folder in ("units", "run"):
+    (tmp_path / folder).mkdir()
   env = dict(PATH=f"{stubs}:/usr/bin:/bin", CALLS=str(tmp_path / "calls"), FAKE_GCS=str(tmp_path / "gcs"),
-             MIDAS_ROOT=str(root), UNIT_DIR=str(tmp_path / "units"), RETRY_DELAY_S="0",
-             UV_STUB=str(tmp_path / "uv_stub"))
+             MIDAS_ROOT=str(root), UNIT_DIR=str(tmp_path / "units"), RUN_DIR=str(tmp_path / "run"),
+             RETRY_DELAY_S="0", UV_STUB=str(tmp_path / "uv_stub"))
+  return script, env, bucket, root
 
+
+def test_the_startup_script_installs_once_and_starts_the_run_at_every_boot(tmp_path):
+  script, env, bucket, root = startup_sandbox(tmp_path)
   proc, first = boot(script, tmp_path, env)  # the first boot of a new slice
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  uv = f"{root}/uv/bin/uv"
+  uv, wheels = f"{root}/uv/bin/uv", f"--no-index --find-links {root}/wheelhouse"
   assert first == [
+      f"gcloud storage cp gs://b/stage/midas_src.tgz gs://b/stage/midas-r.service {root}/stage/",
       "systemctl stop midas-r",
-      f"gcloud storage cp gs://b/stage/midas_src.tgz gs://b/stage/midas-r.service {root}/",
-      "python3 -m pip --version", f"python3 -m pip install -q --target {root}/uv uv=={_tpu_worker.UV_VERSION}",
+      "gcloud storage rsync --recursive --delete-unmatched-destination-objects gs://b/stage/wheelhouse "
+      f"{root}/wheelhouse",
+      "python3 -m pip --version",
+      f"python3 -m pip install -q --target {root}/uv {wheels} uv=={_tpu_worker.UV_VERSION}",
       "uv python install 3.11",
       f"uv venv --python 3.11 {root}/venv",
-      f"uv pip install -q --python {root}/venv/bin/python -c {root}/src/requirements/constraints.txt -e {root}/src[tpu]",
-      "systemctl daemon-reload", "systemctl reset-failed midas-r", "systemctl start midas-r"], (first, uv)
+      f"uv pip install -q --python {root}/venv/bin/python {wheels} -c {root}/src/requirements/constraints.txt "
+      f"-e {root}/src[tpu]",
+      "systemctl daemon-reload", "systemctl enable midas-r", "systemctl reset-failed midas-r",
+      "systemctl start midas-r"], (first, uv)
   assert (root / "src" / "setup.py").exists()
   unit = (tmp_path / "units" / "midas-r.service").read_text()
   assert f"ExecStart={root}/venv/bin/python -m midas_jax" in unit and "@MIDAS_ROOT@" not in unit
 
-  proc, second = boot(script, tmp_path, env)  # a reboot (maintenance): the install is on the disk already
+  # A reboot (maintenance): the stage is the one installed, so nothing is installed and a run that the
+  # enabled unit started at boot is not stopped.
+  proc, second = boot(script, tmp_path, env)
   assert proc.returncode == 0, proc.stderr
-  assert not any(c.startswith(("python3 -m pip install", "uv python", "uv venv")) for c in second), second
-  assert second[-1] == "systemctl start midas-r" and any(c.startswith("uv pip install") for c in second)
+  assert second[1:] == ["systemctl enable midas-r", "systemctl start midas-r"], second
+
+  # `tpu_pod.py run` stages another checkout: the run stops, the package is installed again (uv and Python
+  # are on the disk), and a run that had ended (finished, say) starts again at once.
+  stage_checkout(bucket, tmp_path, "# another checkout\n")
+  (root / "midas-r.ended").write_text("exited 0\n")
+  (tmp_path / "run" / "midas-r.last_exit").write_text("exited 75\n")
+  proc, third = boot(script, tmp_path, env)
+  assert proc.returncode == 0, proc.stderr
+  assert third[1] == "systemctl stop midas-r" and third[-1] == "systemctl start midas-r", third
+  assert [c.split()[1] for c in third if c.startswith("uv ")] == ["pip"]
+  assert (root / "src" / "setup.py").read_text() == "# another checkout\n"
+  assert not (root / "midas-r.ended").exists() and not (tmp_path / "run" / "midas-r.last_exit").exists()
+
+  (root / "midas-r.ended").write_text("exited 3\n")  # halted: a reboot does not start it again
+  proc, fourth = boot(script, tmp_path, env)
+  assert proc.returncode == 0 and "systemctl start midas-r" not in fourth, fourth
+  assert "the run ended with status exited 3" in proc.stdout
 
   (bucket / "midas_src.tgz").unlink()  # a stage that cannot be read: retried, then the script fails
-  proc, third = boot(script, tmp_path, env)
-  assert proc.returncode != 0 and "gave up after 5 tries" in proc.stdout
-  assert sum(c.startswith("gcloud storage cp") for c in third) == 5 and "systemctl start midas-r" not in third
+  proc, fifth = boot(script, tmp_path, env)
+  assert proc.returncode != 0 and "gave up after 8 tries" in proc.stdout
+  assert sum(c.startswith("gcloud storage cp") for c in fifth) == 8 and "systemctl start midas-r" not in fifth
+
+
+def make_wheel(folder, name, version, scripts=None):
+  """A py3-none-any wheel of nothing but its metadata (and `scripts`, name to text), written directly."""
+  dist = f"{name}-{version}"
+  files = {f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+           f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+  files.update({f"{dist}.data/scripts/{n}": text for n, text in (scripts or {}).items()})
+  record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+            f"{len(text.encode())}" for path, text in files.items()] + [f"{dist}.dist-info/RECORD,,"]
+  with zipfile.ZipFile(folder / f"{dist}-py3-none-any.whl", "w") as wheel:
+    for path, text in files.items():
+      info = zipfile.ZipInfo(path)
+      info.external_attr = 0o100755 << 16  # a regular, executable file: pip keeps the mode
+      wheel.writestr(info, text)
+    wheel.writestr(f"{dist}.dist-info/RECORD", "\n".join(record) + "\n")
+
+
+# uv as the test has it: `uv pip install` resolves with pip (a dry run, the same flags), the rest is noted.
+PIP_AS_UV = """#!/bin/bash
+echo "uv $*" >> "$CALLS"
+case "$1" in
+  venv) mkdir -p "$4/bin" && ln -sf "$REAL_PYTHON" "$4/bin/python" ;;
+  pip) shift 2; args=(); while [ $# -gt 0 ]; do
+         case "$1" in --python) shift 2 ;; -q) shift ;; *) args+=("$1"); shift ;; esac; done
+       "$REAL_PYTHON" -m pip install --dry-run --no-build-isolation "${args[@]}" >> "$UV_PIP_OUT" 2>&1 ;;
+esac
+"""
+
+
+def test_a_boot_installs_from_the_staged_wheelhouse_without_a_package_index(tmp_path):
+  script, env, bucket, root = startup_sandbox(tmp_path)
+  wheelhouse = bucket / _tpu_worker.WHEELHOUSE
+  make_wheel(wheelhouse, "uv", _tpu_worker.UV_VERSION, scripts={"uv": PIP_AS_UV})
+  for name, version in (("midasdep", "1.0"), ("midasdep", "2.0"), ("midastpu", "3.0")):
+    make_wheel(wheelhouse, name, version)
+  checkout = tmp_path / "checkout"
+  (checkout / "requirements").mkdir()
+  (checkout / "requirements" / "constraints.txt").write_text("midasdep==1.0\n")
+  stage_checkout(bucket, tmp_path, "from setuptools import setup\nsetup(name='checkout', version='0.1', "
+                 "py_modules=[], install_requires=['midasdep'], extras_require={'tpu': ['midastpu']})\n")
+  os.remove(tmp_path / "bin" / "python3")  # the real pip: it installs uv from the wheelhouse
+  os.symlink(sys.executable, tmp_path / "bin" / "python3")
+  closed = "http://127.0.0.1:9/simple"  # the discard port: nothing answers there
+  env = dict(env, REAL_PYTHON=sys.executable, UV_PIP_OUT=str(tmp_path / "pip.log"), PIP_CONFIG_FILE=os.devnull,
+             PIP_INDEX_URL=closed, UV_INDEX_URL=closed, PIP_RETRIES="0", PIP_TIMEOUT="2", RETRY_TRIES="2")
+  proc, calls = boot(script, tmp_path, env)
+  assert proc.returncode == 0, proc.stdout + proc.stderr + (tmp_path / "pip.log").read_text()
+  assert os.access(root / "uv" / "bin" / "uv", os.X_OK)  # uv, installed by pip from the wheelhouse
+  resolved = (tmp_path / "pip.log").read_text()
+  assert "Would install checkout-0.1 midasdep-1.0 midastpu-3.0" in resolved, resolved  # constrained, with the extra
+  assert calls[-1] == "systemctl start midas-r"
+
+  # Without the wheelhouse the same boot needs the index, and fails: nothing answers there.
+  shutil.rmtree(root)
+  script.write_text(_tpu_worker.startup_script("gs://b/stage", "midas-r", "tpu", wheelhouse=False))
+  proc, calls = boot(script, tmp_path, dict(env, RETRY_TRIES="1"))
+  assert proc.returncode != 0 and "gave up after 1 tries: python3 -m pip install" in proc.stdout, proc.stdout
+  assert "systemctl start midas-r" not in calls
 
 
 # --- GKE ---------------------------------------------------------------------------------------------------
@@ -265,7 +378,9 @@ def test_gke_applies_a_jobset_with_one_pod_per_host_of_every_slice():
   assert slice_job["replicas"] == 2
   job = slice_job["template"]["spec"]
   assert job["parallelism"] == job["completions"] == 16 and job["backoffLimit"] == 0  # v5p-128: 16 hosts
-  assert job["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] == [2]  # bad input is not retried
+  rules = job["podFailurePolicy"]["rules"]  # what each exit status does: tests/test_unit_restarts.py
+  assert [(r["action"], r.get("onExitCodes", {}).get("values")) for r in rules] == [
+      ("FailJob", [2, 3]), ("Ignore", [76]), ("Ignore", None)]
   pod = job["template"]["spec"]
   assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
                                  "cloud.google.com/gke-tpu-topology": "4x4x4", "cloud.google.com/gke-spot": "true"}
