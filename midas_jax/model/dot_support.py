@@ -12,7 +12,16 @@ program that trains (train/build.py checks a stage's train and eval steps) is co
 on zeros before it trains, and a program that only reads its inputs (the evaluation suites) is run
 again if it stops (`retry_widened`). One the CPU cannot run is built again with float32 operands
 (ModelConfig.matmul_operands = "float32"): the same products of the same bfloat16 values, float32
-accumulation as before, at float32 speed.
+accumulation as before, at float32 speed. A multi-process job never runs that check on its sharded
+program (a program stopped part-way leaves data in the cross-process transport for the next
+collective to meet): each process runs one device's share of it locally, and all agree
+(train/build.py, docs/model.md#on-a-cpu-that-cannot-run-them).
+
+Test hook, not a setting: MIDAS_TEST_FORCE_FLOAT32_DOTS in the environment makes the check report
+a program the backend cannot run, without compiling it, so that a test takes the float32 path on
+any CPU: "all" in every process, or a comma-separated list of process indices ("1": process 1
+only, whose verdict the others must follow; tests/test_multihost_fallback.py). Users pick float32
+operands with ModelConfig.matmul_operands.
 
 ModelConfig.matmul_operands: "auto" (that rule), "compute" (bfloat16 operands always; a program the
 CPU cannot run is a ConfigError before training), "float32" (float32 operands always).
@@ -21,6 +30,7 @@ CPU cannot run is a ConfigError before training), "float32" (float32 operands al
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import jax
@@ -30,6 +40,7 @@ from midas_jax.configs import ModelConfig
 from midas_jax.errors import ConfigError
 
 NARROW = ("bfloat16", "float16")  # compute dtypes whose matmuls accumulate in float32
+FORCE_FLOAT32_ENV = "MIDAS_TEST_FORCE_FLOAT32_DOTS"  # the test hook of the module docstring
 T = TypeVar("T")
 
 
@@ -46,7 +57,9 @@ def _unrunnable(error: Exception) -> bool:
 def compiled_if_runs(compile_program: Callable[[], Any], args: Sequence[jax.ShapeDtypeStruct]) -> Optional[Any]:
   """Compiles a program for abstract `args` and runs it once on zeros of them: the compiled program
   when it finishes (to be used, not compiled again), None when the backend stops with UNIMPLEMENTED
-  (a matmul it cannot run)."""
+  (a matmul it cannot run) or when the test hook says so."""
+  if forced_unrunnable():
+    return None
   compiled = compile_program()
   zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), args)
   try:
@@ -56,6 +69,14 @@ def compiled_if_runs(compile_program: Callable[[], Any], args: Sequence[jax.Shap
       raise
     return None
   return compiled
+
+
+def forced_unrunnable() -> bool:
+  """Whether the test hook (MIDAS_TEST_FORCE_FLOAT32_DOTS, module docstring) fails this process's checks."""
+  value = os.environ.get(FORCE_FLOAT32_ENV, "").strip()
+  if value in ("", "all"):
+    return value == "all"
+  return str(jax.process_index()) in {v.strip() for v in value.split(",")}
 
 
 def retry_widened(run: Callable[[ModelConfig], T], cfg: ModelConfig, platform: Optional[str] = None) -> T:

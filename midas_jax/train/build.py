@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from midas_jax import optimizer as optimizer_lib
-from midas_jax import console, sharding
+from midas_jax import console, hosts, sharding
 from midas_jax.configs import ModelConfig, RunConfig
 from midas_jax.data.factory import AnyPipeline, load_data
 from midas_jax.data.vocab.vocabulary import Vocabulary
@@ -106,6 +106,45 @@ class StageBuild:
           lambda: self.jit_eval_step().lower(state.params, batch).compile(), (state.params, batch))
     return (train, evaluate) if evaluate else None
 
+  def one_device_share(self) -> "StageBuild":
+    """This stage as one device of its mesh multiplies it, built on this process's first local
+    device: the same model and depth, each device's rows of the global batch (batch_size over the
+    data x fsdp axes, split into the same microbatches), the same seq_len. Its programs involve no
+    other process, so running them (runs_on_one_device) cannot leave anything in the cross-process
+    transport. The sharded steps gather the fsdp-sharded weights before their dots, so d_model is
+    the full width in both. Where the axis rules map heads, mlp or vocab to mesh axes of more than
+    one device (the tensor axis by default), each device's dots see num_heads, num_kv_heads, d_ff
+    and vocab_size divided by those axes: the share's model has them divided too (head_dim kept).
+    A sequence-sharded rule is not followed (dot_product attention gathers the sequence)."""
+    rules = dict(self.rules)
+
+    def ways(logical: str) -> int:  # how many devices split a logical axis
+      axes = rules.get(logical) or ()
+      return int(np.prod([self.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes)]))
+
+    cfg = self.model_config
+    heads, mlp, vocab = ways("heads"), ways("mlp"), ways("vocab")
+    if heads > 1:
+      cfg = dataclasses.replace(cfg, num_heads=cfg.num_heads // heads, num_kv_heads=cfg.kv_heads // heads,
+                                head_dim=cfg.resolved_head_dim)
+    if mlp > 1:
+      cfg = dataclasses.replace(cfg, d_ff=cfg.d_ff // mlp)
+    if vocab > 1:
+      cfg = dataclasses.replace(cfg, vocab_size=cfg.vocab_size // vocab)
+    data = self.config.data
+    rows = sharding.batch_sharding(self.mesh).shard_shape((data.batch_size, data.seq_len))[0]
+    mesh_config = dataclasses.replace(self.config.mesh, data=1, fsdp=1, tensor=1, dcn_data=1, dcn_fsdp=1)
+    config = dataclasses.replace(self.config, data=dataclasses.replace(data, batch_size=rows), mesh=mesh_config)
+    mesh = sharding.make_mesh(mesh_config, jax.local_devices()[:1])
+    model, tx, schedule, rules, layout = model_and_layout(config, mesh, cfg, platform=self.model.platform)
+    return StageBuild(config=config, model_config=cfg, vocab=self.vocab, pipeline=self.pipeline, mesh=mesh,
+                      rules=rules, model=model, tx=tx, lr_schedule=schedule, layout=layout)
+
+  def runs_on_one_device(self) -> bool:
+    """Whether this process runs one device's share of the train and eval steps (one_device_share),
+    compiled and run once on zeros (model/dot_support.py)."""
+    return self.one_device_share().checked_steps() is not None
+
   def host_batch(self, step: int, split: str = "train") -> Dict[str, np.ndarray]:
     """This process's rows of the global batch at `step`."""
     return self.pipeline.batch(step, split, jax.process_index(), jax.process_count())
@@ -183,8 +222,16 @@ def build_stage(config: RunConfig, devices=None, data: Optional[Tuple[Vocabulary
 
   build = assemble(model_config)
   if dot_support.needs_check(model_config, build.model.platform):
-    build.checked = build.checked_steps()
-    if build.checked is None:
+    if hosts.multi_process():
+      # Not the sharded steps: one stopped part-way would leave data in the cross-process transport
+      # for the next collective to meet. Every process runs one device's share locally, and if any
+      # cannot, all widen, so that every process builds the same program. (A decision of its own name:
+      # the next stage is built on a background thread, hosts.py.)
+      runs = all(hosts.exchange("matmul_operands", build.runs_on_one_device()))
+    else:
+      build.checked = build.checked_steps()  # the compiled steps are the stage's: nothing compiles twice
+      runs = build.checked is not None
+    if not runs:
       build = assemble(dot_support.widened(model_config))  # the same products, as float32 operands
       if jax.process_index() == 0:
         console.say(f"matmul operands: float32 at depth {model_config.num_layers} (this CPU cannot run the "
