@@ -177,6 +177,7 @@ def _clear_gin_bindings():
 # The longest test files start first, so that the two workers (pytest.ini: -n 2 --dist loadfile)
 # do not end with one of them running a long file alone. Order within a file is kept.
 LONGEST_FIRST = ("test_kill_resume.py", "test_notebook.py", "test_multihost.py", "test_gcs.py", "test_pod.py",
+                 "test_peer_failures.py",
                  "test_evals_cli.py", "test_stacking_train.py", "test_convert.py")
 
 

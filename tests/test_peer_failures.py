@@ -9,6 +9,7 @@ peer never joins is stopped by its watchdog with the peer's status.
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -107,37 +108,48 @@ def test_a_process_blocked_in_a_collective_stops_with_its_peers_status(tmp_path)
   assert "injected: the storage did not answer" in outputs[0] and "passed" not in outputs[0]
 
 
-def test_a_restore_read_that_fails_on_one_process_stops_both_as_unavailable_and_sets_nothing_aside(
-    setup, fault_proxy):
-  gin_file, bucket, env, _ = setup
-  workdir = f"{bucket}/restore"
-  assert cli.main(["train", f"--gin_file={gin_file}", f"--workdir={workdir}"]) == 0  # one process, 8 devices
-  fault_proxy.only = r"/restore/checkpoints/8/(metadata|params|state)/"  # process 1's reads of the newest save: 503
-  fault_proxy.outage(BOUND_S)
-  codes, outputs, _ = run_pair(gin_file, workdir, [env, dict(env, **fault_proxy.environment())])
-  assert codes == [75, 75], "\n".join(o[-3000:] for o in outputs)
-  assert f"reading the metadata of {workdir}/checkpoints/8: the storage is unavailable: HTTP 503" in outputs[1]
-  assert "stops every process with exit status 75" in outputs[1] and "Traceback" not in outputs[1]
-  assert outputs[1].count("midas: stopped:") == 1
-  assert "process 1 failed, so this process (process 0) stops too, with the same exit status 75" in outputs[0]
-  assert "the storage is unavailable: HTTP 503" in outputs[0]  # the failing host's reason, in the other's log
-  assert available_steps(workdir) == [GROWTH, LAST]  # nothing set aside, nothing trained
-  assert "set aside" not in "".join(outputs)
-
-
-def test_a_save_that_fails_on_one_process_stops_both_naming_the_step_and_the_save_that_stands(setup, fault_proxy):
+@pytest.fixture(scope="module")
+def failed_save(setup, gcs):
+  """A pair whose process 1 may not write the last save (403 on its paths): (statuses, outputs, workdir)."""
+  from fault_proxy import FaultProxy  # pylint: disable=import-outside-toplevel
   gin_file, bucket, env, _ = setup
   workdir = f"{bucket}/save"
-  fault_proxy.only, fault_proxy.status = r"/save/checkpoints/8/", 403  # process 1 may not write the last save
-  fault_proxy.outage(BOUND_S)
-  codes, outputs, _ = run_pair(gin_file, workdir, [env, dict(env, **fault_proxy.environment())])
-  assert codes == [exit_status.BAD_INPUT.status] * 2, "\n".join(o[-3000:] for o in outputs)
+  proxy = FaultProxy(gcs).start()
+  try:
+    proxy.only, proxy.status = rf"/save/checkpoints/{LAST}/", 403
+    proxy.outage(BOUND_S)
+    codes, outputs, _ = run_pair(gin_file, workdir, [env, dict(env, **proxy.environment())])
+  finally:
+    proxy.stop()
+  return codes, outputs, workdir
+
+
+def test_a_save_that_fails_on_one_process_stops_both_naming_the_step_and_the_save_that_stands(failed_save):
+  codes, outputs, workdir = failed_save
+  assert codes == [exit_status.BAD_INPUT.status] * 2, "\n".join(o[-3000:] for o in outputs)  # a 403: not by waiting
   message = f"writing the save of step {LAST} to {workdir}/checkpoints/{LAST}: "
   assert message in outputs[1] and f"the save of step {GROWTH} stands" in outputs[1], outputs[1][-3000:]
   assert outputs[1].count("midas: error:") == 1  # said once, not again on the way out
   assert "process 1 failed" in outputs[0] and message in outputs[0]
   assert available_steps(workdir) == [GROWTH]  # the failed save was never committed; the one before stands
   assert f"saving step {LAST}" in outputs[0]  # it trained to the end and started the last save
+
+
+def test_a_restore_read_that_fails_on_one_process_stops_both_as_unavailable_and_sets_nothing_aside(
+    setup, failed_save, fault_proxy):
+  gin_file, _, env, _ = setup
+  workdir = failed_save[2]  # its save of step 4 stands
+  fault_proxy.only = rf"/save/checkpoints/{GROWTH}/(metadata|params|state)/"  # process 1's reads of it: 503
+  fault_proxy.outage(BOUND_S)
+  codes, outputs, _ = run_pair(gin_file, workdir, [env, dict(env, **fault_proxy.environment())])
+  assert codes == [75, 75], "\n".join(o[-3000:] for o in outputs)
+  assert f"reading the metadata of {workdir}/checkpoints/{GROWTH}: the storage is unavailable: HTTP 503" in outputs[1]
+  assert "stops every process with exit status 75" in outputs[1] and "Traceback" not in outputs[1]
+  assert outputs[1].count("midas: stopped:") == 1
+  assert "process 1 failed, so this process (process 0) stops too, with the same exit status 75" in outputs[0]
+  assert "the storage is unavailable: HTTP 503" in outputs[0]  # the failing host's reason, in the other's log
+  assert available_steps(workdir) == [GROWTH]  # nothing set aside, nothing trained
+  assert "set aside" not in "".join(outputs) and not any(re.search(r"^step \d+ train", o, re.M) for o in outputs)
 
 
 def test_a_loss_poisoned_on_one_process_halts_both_and_saves_nothing_after_it(setup):
