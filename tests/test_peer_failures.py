@@ -8,6 +8,7 @@ is the mechanism alone, in two bare jax.distributed processes: a process blocked
 peer never joins is stopped by its watchdog with the peer's status.
 """
 
+import argparse
 import os
 import re
 import subprocess
@@ -18,9 +19,9 @@ import time
 import pytest
 
 from conftest import REPO_ROOT
-from midas_jax import cli, exit_status, peers
+from midas_jax import cli, distributed, exit_status, peers
 from midas_jax.checkpoint import available_steps
-from midas_jax.errors import HaltedError
+from midas_jax.errors import ConfigError, HaltedError
 from midas_jax.train import attempts
 from test_pod import _free_port
 
@@ -200,3 +201,16 @@ def test_every_exit_class_has_one_status_and_the_cli_uses_them():
   assert len(set(statuses)) == len(statuses)
   assert set(exit_status.NEVER_RESTART) == {0, 2, 3}
   assert cli.main(["train", "--gin_file=/nonexistent.gin", "--workdir=/tmp/x"]) == exit_status.BAD_INPUT.status
+
+
+def test_the_waits_are_settings_checked_before_anything_starts():
+  parser = argparse.ArgumentParser()
+  distributed.add_flags(parser)
+  explicit = ["--coordinator_address=10.0.0.2:8476", "--num_processes=4", "--process_id=1"]
+  plan = distributed.plan(parser.parse_args(explicit), environ={"MIDAS_PEER_TIMEOUT_S": "30"}, on_tpu_vm=False)
+  assert (plan.peer_timeout_s, plan.initialization_timeout_s) == (30, 600)
+  plan = distributed.plan(parser.parse_args(explicit + ["--initialization_timeout_s=1800"]), environ={},
+                          on_tpu_vm=False)
+  assert (plan.peer_timeout_s, plan.initialization_timeout_s) == (120, 1800)
+  with pytest.raises(ConfigError, match="--peer_timeout_s: must be at least 1 second"):
+    distributed.plan(parser.parse_args(explicit + ["--peer_timeout_s=0"]), environ={}, on_tpu_vm=False)
