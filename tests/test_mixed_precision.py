@@ -273,7 +273,9 @@ check()
 '''
 
 
-@pytest.mark.parametrize("xla_flags", ["", "--xla_cpu_use_onednn=false"])
+# The default CPU libraries run in the suite; the oneDNN-free variant checks the same property on XLA's
+# other dot path (about 95 s) and runs with -m slow.
+@pytest.mark.parametrize("xla_flags", ["", pytest.param("--xla_cpu_use_onednn=false", marks=pytest.mark.slow)])
 def test_the_bfloat16_step_runs_at_any_width_and_head_dimension(xla_flags, tmp_path):
   env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", PROPERTY.format(tests=os.path.dirname(__file__))], env=env,
