@@ -215,20 +215,53 @@ def _marked(directory: str, steps) -> set:
   return {s for s in steps if damage.is_marked(fs.join(directory, str(s)))}
 
 
-class _CommitFailures(logging.Handler):
-  """The exceptions orbax's async save thread ("async_save") reports as it fails. orbax keeps the exception
-  for whoever waits next, but its finalize thread takes it and then waits in a barrier for the other
-  processes (which wait in the commit's barrier for this one) for as long as orbax's timeout; the
-  exception object itself is on the log record (exc_info), so it is caught here, by the thread's name and
-  the record's exception, never by the message's words."""
+class _CommitFailures(logging.Filter):
+  """The exceptions orbax's async save threads log as they fail, taken from the absl logger.
+
+  orbax keeps the exception for whoever waits next, but in a job of several processes its finalize thread
+  takes it and then waits in a barrier for the other processes (which wait in the commit's barrier for this
+  one) for as long as orbax's timeout; the exception object is on the log record (exc_info), so it is caught
+  here, by the thread's name and the record's exception, never by the message's words.
+
+  A storage fault is reported once, in one line that names the step (_save_failed), so its records are
+  dropped, with the tracebacks tensorstore prints for each write still in flight when orbax closed the
+  event loop it answers on; any other failure's traceback stays on the screen, where the message points."""
 
   def __init__(self):
-    super().__init__(level=logging.ERROR)
+    super().__init__()
     self.caught: List[BaseException] = []
+    self.storage_fault = False  # a save met a storage fault: what its threads log after it is its echo
 
-  def emit(self, record: logging.LogRecord) -> None:
-    if record.threadName == "async_save" and record.exc_info and record.exc_info[1] is not None:
-      self.caught.append(record.exc_info[1])
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.levelno >= logging.ERROR and record.exc_info else None
+    if error is None or not record.threadName.startswith(_SAVE_THREADS):
+      return True
+    if record.threadName.startswith("async_save"):
+      self.caught.append(error)
+    if storage_errors.classify(error) is not None and not self.storage_fault:
+      self.storage_fault = True
+      _drop_closed_loop_reports()
+    return not self.storage_fault
+
+
+# orbax's threads that write a save's files, and ours that waits for them (its barrier then fails as the peers
+# leave)
+_SAVE_THREADS = ("async_save", "array_type_handler", "midas-save-wait")
+
+
+def _drop_closed_loop_reports() -> None:
+  """From now on, "Event loop is closed" errors raised in tensorstore's callbacks are not printed (tensorstore
+  reports a callback's error as unraisable); every other unraisable error still is."""
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_closed_loop", False):
+    return
+
+  def hook(unraisable):
+    if not (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook.drops_closed_loop = True
+  sys.unraisablehook = hook
 
 
 class OrbaxCheckpointer:
@@ -244,8 +277,7 @@ class OrbaxCheckpointer:
     self._writing: Optional[int] = None  # the step of a save started and not yet known to be committed
     self._commit_failures = _CommitFailures()
     self._failed = False  # a save failed and was reported: nothing more to wait for
-    if hosts.multi_process():
-      logging.getLogger("absl").addHandler(self._commit_failures)
+    logging.getLogger("absl").addFilter(self._commit_failures)
 
   def steps(self) -> List[int]:
     """Committed saves, newest first (temporary directories of interrupted saves are not listed, nor saves
@@ -367,7 +399,8 @@ class OrbaxCheckpointer:
       if not self._failed:  # orbax's close waits for the failed save's threads, which wait for the others
         self._manager.close()
     finally:
-      logging.getLogger("absl").removeHandler(self._commit_failures)
+      if not self._commit_failures.storage_fault:  # else orbax's threads, still running, echo it as they end
+        logging.getLogger("absl").removeFilter(self._commit_failures)
 
   @contextlib.contextmanager
   def _saving(self, starting: Optional[int] = None) -> Iterator[None]:

@@ -95,7 +95,7 @@ def start(controller: StageController, checkpointer: Checkpointer, resolved_conf
     except hosts.PeerTimeoutError as e:
       if problem is None:
         raise
-      _set_aside_alone(checkpointer, step, problem, e)
+      raise _set_aside_alone(checkpointer, step, problem, e) from e
     problem = next((p for p in problems if p is not None), None)
     if problem is None:
       meta, state, stage, accepted = found
@@ -107,9 +107,10 @@ def start(controller: StageController, checkpointer: Checkpointer, resolved_conf
   return Start(0, state, stage)
 
 
-def _set_aside_alone(checkpointer: Checkpointer, step: int, problem: str, silence: Exception) -> None:
+def _set_aside_alone(checkpointer: Checkpointer, step: int, problem: str,
+                     silence: Exception) -> RestartNeededError:
   """This process found damage and the others did not answer: the first such process to claim the save in
-  the coordinator's store sets it aside; every one stops with RestartNeededError (status 76)."""
+  the coordinator's store sets it aside; returns the error every such process stops with (status 76)."""
   kv = peers.client()
   try:
     kv.key_value_set(f"midas/set_aside/{step}", str(jax.process_index()))  # refused if another claimed it
@@ -118,11 +119,11 @@ def _set_aside_alone(checkpointer: Checkpointer, step: int, problem: str, silenc
     claimed = False
   if claimed:
     checkpointer.quarantine(step, problem, alone=True)
-  raise RestartNeededError(
+  return RestartNeededError(
       f"the save of step {step} is damaged ({problem}) and the other processes did not answer ({silence}); it "
       f"was set aside{'' if claimed else ' by another process'}, so the job stops and, started again, resumes "
       "from the save before it\n  fix: none needed: a supervisor restarts exit status 76 at once; by hand, run "
-      "the same command again") from silence
+      "the same command again")
 
 
 def _no_usable_save(policy: str, checkpointer: Checkpointer) -> None:
