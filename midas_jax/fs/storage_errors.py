@@ -6,10 +6,12 @@ retries them or stops and asks to be run again, but never treats them as evidenc
 that sets a good save aside because the bucket answered 503 loses work. Permission refusals (403) are told
 apart: they do not pass by waiting.
 
-The clients raise their own types (gcsfs's HttpError, aiohttp's and requests' connection errors,
-google-auth's RefreshError) and tensorstore raises ValueError with a status code in its message, so the
-classification reads class names, status attributes and tensorstore's status text, and imports none of
-those libraries. `classify` walks an exception's causes, as libraries wrap the client's error.
+The clients raise their own types, and the classification reads those and nothing worded: class names (any
+base: gcsfs's HttpError, aiohttp's and requests' connection errors, google-auth's RefreshError), HTTP status
+attributes (gcsfs, google-api-core, aiohttp, requests), and tensorstore's absl status code with the HTTP status
+it attaches as a payload (exception_chain.status_code). It imports none of those libraries. One match on words
+is left, where a library gives nothing else (gcsfs's 403, below). `classify` reads every link of an exception
+(exception_chain.links), as libraries wrap the client's error.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import dataclasses
 import logging
 import re
 import threading
-from typing import Iterator, List, Optional
+from typing import Iterator, Optional
 
 from midas_jax.errors import StorageUnavailableError
+from midas_jax.exception_chain import links, status_code
 
 UNAVAILABLE = "unavailable"  # transient: the storage did not answer in time, or answered "try again"
 CREDENTIALS = "credentials"  # the credentials were refused or could not be refreshed (often an expired token)
@@ -36,8 +39,9 @@ _CONNECTION_CLASSES = {  # class names (any base) of client errors that mean the
     "ClientConnectionError", "ClientPayloadError", "ServerTimeoutError", "ServerDisconnectedError",
     "ConnectionError", "Timeout", "ReadTimeout", "ConnectTimeout", "ChunkedEncodingError", "ProxyError",
     "SSLError", "TransportError", "ChecksumError", "IncompleteRead", "RemoteDisconnected"}
-_TS_STATUS = re.compile(r"^([A-Z_]+): ")
-_TS_HTTP = re.compile(r"http_response_code='(\d{3})'")
+# tensorstore attaches the HTTP status as an absl payload, which Status::ToString() renders as [key='value'].
+_TS_HTTP = re.compile(r"\[http_response_code='(\d{3})'\]")
+_TS_TRANSPORT = re.compile(r"\[curl_code='\d+'\]")  # and its transport's error, when no answer came back
 _TS_KINDS = {"UNAVAILABLE": UNAVAILABLE, "DEADLINE_EXCEEDED": UNAVAILABLE, "UNAUTHENTICATED": CREDENTIALS,
              "PERMISSION_DENIED": DENIED}
 
@@ -59,48 +63,39 @@ def http_kind(status: int) -> Optional[str]:
   return {401: CREDENTIALS, 403: DENIED}.get(status)
 
 
-def _chain(error: BaseException) -> List[BaseException]:
-  """The exception, its causes and contexts, and the members of exception groups, each once."""
-  seen, out, todo = set(), [], [error]
-  while todo and len(out) < 32:
-    e = todo.pop(0)
-    if e is None or id(e) in seen:
-      continue
-    seen.add(id(e))
-    out.append(e)
-    todo.extend([e.__cause__, e.__context__, *getattr(e, "exceptions", ())])
-  return out
-
-
 def _from_client(e: BaseException) -> bool:
   return any(type(e).__module__.split(".")[0] == m for m in _CLIENT_MODULES) or \
       any(c.__module__.split(".")[0] in _CLIENT_MODULES for c in type(e).__mro__[1:-1])
 
 
-def _status(e: BaseException) -> Optional[int]:
-  """The HTTP status a client's exception carries (gcsfs: .code, google-api-core: .code, aiohttp: .status)."""
-  if not _from_client(e):
-    return None
-  for attr in ("code", "status", "status_code"):
-    value = getattr(e, attr, None)
-    if isinstance(value, int) and 100 <= value <= 599:
-      return value
+def http_status(e: BaseException) -> Optional[int]:
+  """The HTTP status `e` carries: a storage client's status attribute (gcsfs's HttpError and google-api-core:
+  .code; aiohttp: .status; requests: .status_code), or the payload tensorstore attaches to its status."""
+  if _from_client(e):
+    for attr in ("code", "status", "status_code"):
+      value = getattr(e, attr, None)
+      if isinstance(value, int) and 100 <= value <= 599:
+        return value
+  if isinstance(e, ValueError) and status_code(e) is not None:
+    payload = _TS_HTTP.search(str(e))
+    return int(payload.group(1)) if payload else None
   return None
 
 
 def _one(e: BaseException) -> Optional[StorageFault]:
   text = f"{type(e).__name__}: {e}".strip().rstrip(":")
-  status = _status(e)
+  status = http_status(e)
   if status is not None and http_kind(status):
     return StorageFault(http_kind(status), f"HTTP {status} ({text})")
-  message = str(e)
-  ts_status = _TS_STATUS.match(message)
-  if isinstance(e, ValueError) and ts_status:  # tensorstore: "UNAVAILABLE: ...", with the HTTP code when it had one
-    http = _TS_HTTP.search(message)
-    kind = http_kind(int(http.group(1))) if http else _TS_KINDS.get(ts_status.group(1))
-    return StorageFault(kind, f"{ts_status.group(1)} ({_short(message)})") if kind else None
-  if type(e).__name__ == "OSError" and message.startswith("Forbidden: "):  # how gcsfs raises a 403
-    return StorageFault(DENIED, f"HTTP 403 ({_short(message)})")
+  code = status_code(e) if isinstance(e, ValueError) else None
+  if code is not None and status is None:  # tensorstore's, with no HTTP answer (one that is no fault's: not ours)
+    # A transport error (e.g. ABORTED: its retries spent on a refused connection) says no answer came back.
+    kind = UNAVAILABLE if _TS_TRANSPORT.search(str(e)) else _TS_KINDS.get(code)
+    return StorageFault(kind, f"{code} ({_short(str(e))})") if kind else None
+  # gcsfs (2026.10.1, retry.validate_response) raises a 403 as a builtin OSError whose message is all it
+  # gives: no status attribute. Its fixed prefix is matched on that exact type alone.
+  if type(e) is OSError and str(e).startswith("Forbidden: "):  # pylint: disable=unidiomatic-typecheck
+    return StorageFault(DENIED, f"HTTP 403 ({_short(str(e))})")
   names = {c.__name__ for c in type(e).__mro__}
   if "RefreshError" in names or "DefaultCredentialsError" in names:
     return StorageFault(CREDENTIALS, text)
@@ -120,7 +115,7 @@ def _short(message: str, limit: int = 300) -> str:
 
 def classify(error: BaseException) -> Optional[StorageFault]:
   """The storage fault `error` is (or wraps), or None when it is not a storage error."""
-  for e in _chain(error):
+  for e in links(error):
     fault = _one(e)
     if fault is not None:
       return fault
