@@ -61,12 +61,14 @@ def _abstract(tree, shardings):
 
 
 @jax.jit
-def _all_finite(tree) -> jax.Array:
+def all_finite(tree) -> jax.Array:
+  """Whether every float leaf of `tree` is finite: a restored state that is not was not saved whole."""
   leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
   return jnp.stack(leaves).all() if leaves else jnp.array(True)
 
 
-def _say(message: str) -> None:
+def say_once(message: str) -> None:
+  """A checkpoint line, printed by process 0 only (every process does the same thing)."""
   if jax.process_index() == 0:
     say(f"checkpoint: {message}")
 
@@ -111,7 +113,7 @@ def patiently(read: Callable[[], T], url: str, doing: str, config: Optional[Chec
       spent, wait = time.monotonic() - start, min(2.0 ** (attempt - 1), MAX_BACKOFF_S)
       if attempt > config.restore_retries or spent + wait > config.restore_timeout_s:
         raise StorageUnavailableError(_gave_up(fault, url, doing, step, attempt, spent, config, alone)) from e
-      _say(f"{doing} {url}: {storage_errors.describe(fault)}; trying again in {wait:g} s "
+      say_once(f"{doing} {url}: {storage_errors.describe(fault)}; trying again in {wait:g} s "
            f"(retry {attempt} of {config.restore_retries})")
       time.sleep(wait)
   raise AssertionError("unreachable")
@@ -308,7 +310,7 @@ class OrbaxCheckpointer:
         params=ocp.args.StandardRestore(items["params"]), state=ocp.args.StandardRestore(items["state"]))),
         url, "reading the state of", self.config, step, collective=True)
     state = TrainState(step=restored.state["step"], params=restored.params, opt_state=restored.state["opt_state"])
-    if int(state.step) != step or not bool(_all_finite(state.params)):
+    if int(state.step) != step or not bool(all_finite(state.params)):
       raise CorruptCheckpointError(f"step {step}: restored state is not the finite state of step {step}")
     return state
 
@@ -344,7 +346,7 @@ class OrbaxCheckpointer:
       if not patiently(lambda: damage.is_marked(step_dir), step_dir, "reading", self.config):
         return False  # saved already
       self.quarantine(step, damage.reason(step_dir))  # a set-aside interrupted earlier still holds the step
-    if not bool(_all_finite(state.params)):
+    if not bool(all_finite(state.params)):
       raise NonFiniteLossError(f"the parameters at step {step} are not finite; not saving them")
     start = time.time()
     if hosts.multi_process():
@@ -356,7 +358,7 @@ class OrbaxCheckpointer:
           metadata=ocp.args.JsonSave(dict(metadata or {}, step=step))), force=True)
     self._writing = step if self.config.async_save else None
     self.save_seconds.append(time.time() - start)
-    _say(f"saving step {step}" + (" (async)" if self.config.async_save else ""))
+    say_once(f"saving step {step}" + (" (async)" if self.config.async_save else ""))
     return True
 
   def wait(self) -> None:

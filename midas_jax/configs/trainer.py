@@ -131,6 +131,11 @@ class CheckpointConfig:
     tensorstore's array reads up to about 15 minutes).
   on_no_usable_save: when saves exist and none can be used (each damaged, and set aside), "error" stops the
     run listing them and why; "start_fresh" starts from step 0 (or init_from) with a warning.
+  local_dir: emergency checkpoints (checkpoint/emergency.py, docs/pods.md#emergency-checkpoints): a directory
+    on each host's own fast disk (local SSD or a ramdisk, never a bucket) where every process also keeps its
+    own shards of the state every local_every steps, the newest local_keep of them, beside the saves under
+    the workdir (the persistent tier, unchanged). A resume takes the newest step complete in either tier: a
+    local save counts only where every process still has its part. None (the default): no local tier.
   """
 
   every: int = 1000
@@ -141,6 +146,9 @@ class CheckpointConfig:
   restore_retries: int = 6
   restore_timeout_s: float = 600.0
   on_no_usable_save: str = "error"
+  local_dir: Optional[str] = None
+  local_every: int = 100
+  local_keep: int = 2
 
   def __post_init__(self):
     s = "CheckpointConfig."
@@ -155,3 +163,11 @@ class CheckpointConfig:
     require(self.on_no_usable_save in NO_USABLE_SAVE, s + "on_no_usable_save",
             f"must be one of {NO_USABLE_SAVE}, got {self.on_no_usable_save!r}",
             "'error' stops when every save is damaged; 'start_fresh' starts from step 0 instead")
+    require(self.local_dir is None or (bool(self.local_dir) and "://" not in self.local_dir), s + "local_dir",
+            f"must be a directory on the host's own disk, got {self.local_dir!r}",
+            "a local SSD or ramdisk path such as '/mnt/disks/ssd/midas' or '/dev/shm/midas'; the bucket already "
+            "holds the persistent saves (every); None turns the local tier off")
+    require(self.local_every >= 1, s + "local_every", f"must be >= 1, got {self.local_every}",
+            "the steps between two local saves, e.g. 100 (a few seconds of a step's time each)")
+    require(self.local_keep >= 1, s + "local_keep", f"must be >= 1, got {self.local_keep}",
+            "2 keeps the newest local save and the one before it")

@@ -19,7 +19,7 @@ import jax
 
 from midas_jax import flops, fs, hosts, sharding
 from midas_jax.checkpoint import metadata as metadata_lib
-from midas_jax.checkpoint.manager import OrbaxCheckpointer
+from midas_jax.checkpoint.emergency import checkpointer_for
 from midas_jax.configs import RunConfig
 from midas_jax.console import bar_wanted, say
 from midas_jax.data.factory import load_data
@@ -119,7 +119,7 @@ class TrainingRun:
         StageController(config, self.schedule, vocab_and_pipeline, devices)))
     self.pipeline = vocab_and_pipeline[1]
     self.checkpointer = self._open.enter_context(contextlib.closing(
-        checkpointer or OrbaxCheckpointer(self.workdir, config.checkpoint)))
+        checkpointer or checkpointer_for(self.workdir, config.checkpoint)))
     self.resolved = metadata_lib.config_to_dict(dataclasses.replace(config, model=self.controller.model_config))
     # From here the run's wall time is accounted for: the restore (or a fresh start's init) first.
     self.goodput = Goodput()
