@@ -9,8 +9,9 @@ create, run (restart the run with this checkout and command), logs, stop (`syste
 the run saves and exits, and is not restarted until a boot or `run`), delete. With a queued resource
 (the way to get most v5p/v5e capacity, and the only way to get several slices: --slices=N): queue
 (request it), watch (request it if needed, then queue it again whenever it is SUSPENDED or FAILED,
-e.g. a Spot slice preempted), and logs, run, stop, delete with --queued. --dry-run prints the
-commands instead of running them.
+e.g. a Spot slice preempted, and say at every poll how old the run's heartbeat is, STALE when the run
+has stopped writing it: docs/pods.md#the-heartbeat), and logs, run, stop, delete with --queued.
+--dry-run prints the commands instead of running them.
 
 How a run survives: the checkout (a tarball), the run's systemd unit and a wheelhouse of every wheel
 the workers install (once per set of constraints) go to a stage on GCS (--stage, default
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (CACHE_DIR_VAR, REPO_ROOT, Runner, flag_value, parse_pod_args,  # noqa: E402  pylint: disable=wrong-import-position
                      require_midas_args, split_midas_args, with_accelerator, with_compile_cache, workdir_note)
 import _tpu_worker as worker  # noqa: E402  pylint: disable=wrong-import-position
-from midas_jax import hardware  # noqa: E402  pylint: disable=wrong-import-position
+from midas_jax import hardware, heartbeat  # noqa: E402  pylint: disable=wrong-import-position
 
 ACTIONS = ("up", "create", "run", "queue", "watch", "logs", "stop", "delete")
 NEEDS_RUN = ("up", "create", "run", "queue", "watch")  # actions that install the run: a midas command after --
@@ -61,6 +62,16 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                       help="the slices belong to a queued resource (implied by queue, watch and --slices > 1)")
   parser.add_argument("--slices", type=int, default=1, help="slices joined by DCN (a multislice queued resource)")
   parser.add_argument("--poll_s", type=float, default=300, help="watch: seconds between looks at the queued resource")
+  parser.add_argument("--stale_intervals", type=float, default=heartbeat.STALE_INTERVALS,
+                      help="watch: a running run's heartbeat is STALE after this many log periods at its own recent "
+                           "speed (TrainerConfig.log_every x its seconds a step) without a new one")
+  parser.add_argument("--stale_floor_s", type=float, default=heartbeat.STALE_FLOOR_S,
+                      help="watch: and never sooner than this many seconds (a compile, a restore or a save can take "
+                           "minutes)")
+  parser.add_argument("--restart_stale", action="store_true",
+                      help="watch: when the slice is ACTIVE and its run's heartbeat says running but is STALE (a hung "
+                           "run), restart the run's unit on every worker once (it resumes from its last save); "
+                           "without it watch only reports")
   parser.add_argument("--source", default=REPO_ROOT, help="the midas_jax checkout to install")
   parser.add_argument("--stage", default=None,
                       help="gs:// folder the workers fetch the checkout and the run's unit from at every boot "
@@ -252,8 +263,55 @@ def queued_state(args, runner: Runner, quiet: bool = False):
   return runner.output(_queued(args, "describe", "--format=value(state.state)"), quiet=quiet)
 
 
+def heartbeat_url(args):
+  """The run's heartbeat object (midas_jax/heartbeat.py), or None when its workdir is not on gs://."""
+  workdir = flag_value(args.midas_args, "workdir")
+  return f"{workdir.rstrip('/')}/{heartbeat.FILE}" if workdir and workdir.startswith("gs://") else None
+
+
+class HeartbeatWatch:
+  """One look at the run's heartbeat per poll: a line with its step and age, STALE when the run stopped
+  writing it; with --restart_stale, a hung run's unit restarted on every worker (once per stale record)."""
+
+  def __init__(self, args, runner: Runner):
+    self.args, self.runner, self.url = args, runner, heartbeat_url(args)
+    self.seen = False
+    self.restarted_for = None  # the time of the stale record whose run was restarted
+
+  def read_command(self) -> List[str]:
+    return ["gcloud", "storage", "cat", self.url]
+
+  def look(self, state) -> None:
+    if self.url is None:
+      return
+    text = self.runner.output(self.read_command(), quiet=True)
+    now = time.time()
+    try:
+      rec = heartbeat.parse(text)
+    except ValueError as e:
+      rec, line = None, f"heartbeat unreadable ({e})"
+    else:
+      line = (heartbeat.describe(rec, now, self.args.stale_intervals, self.args.stale_floor_s)
+              if rec is not None or not self.seen else f"heartbeat not readable now ({self.url})")
+    self.seen = self.seen or rec is not None
+    self.runner.note(f"{time.strftime('%H:%M:%S')} {self.args.name} heartbeat: {line}")
+    if rec is not None and self.args.restart_stale and state == "ACTIVE" and rec.get("status") == heartbeat.RUNNING:
+      if heartbeat.staleness(rec, now, self.args.stale_intervals, self.args.stale_floor_s).stale:
+        self.restart(rec)
+
+  def restart(self, rec) -> None:
+    if rec["time"] == self.restarted_for:
+      return  # restarted for this record already: the new attempt has not written one (watch only reports)
+    self.restarted_for = rec["time"]
+    self.runner.note(f"the slice is ACTIVE and its run has not written a heartbeat since step {rec['step']}: "
+                     f"restarting {unit(self.args)} on every worker (--restart_stale)")
+    for node in nodes(self.args):
+      self.runner.run(ssh(self.args, node, f"sudo systemctl restart {unit(self.args)}"), check=False)
+
+
 def watch(args, runner: Runner) -> None:
-  """Keeps the queued resource alive: queued again whenever it is SUSPENDED or FAILED, until it is deleted."""
+  """Keeps the queued resource alive: queued again whenever it is SUSPENDED or FAILED, until it is deleted;
+  says at every poll how old the run's heartbeat is."""
   script = startup_file(args, runner)
   if queued_state(args, runner) is None:
     runner.note(f"if `describe` fails, {args.name} is not queued yet and is queued now:")
@@ -263,9 +321,16 @@ def watch(args, runner: Runner) -> None:
               "preempted, a request that failed), it is deleted and queued again; the new slice's start-up "
               "script resumes the run from its workdir:")
   requeue = [_queued(args, "delete", "--force", "--quiet"), queue_command(args, script)]
+  beat = HeartbeatWatch(args, runner)
+  if beat.url is None:
+    runner.note("the run's heartbeat is read from a gs:// --workdir only: this one is not watched")
   if runner.dry_run:
     for cmd in requeue:
       runner.run(cmd)
+    if beat.url is not None:
+      runner.note(f"and every poll reads the run's heartbeat (STALE after max({args.stale_intervals:g} log periods, "
+                  f"{args.stale_floor_s:g} s) without one):")
+      runner.output(beat.read_command())
     return
   last, missing, pending = None, 0, False  # pending: a re-queue whose `create` has not gone through yet
   while True:
@@ -287,6 +352,7 @@ def watch(args, runner: Runner) -> None:
       pending = runner.run(requeue[1], check=False) != 0
     else:
       missing = 0
+    beat.look(state)
 
 
 def main(argv: Sequence[str] = None) -> int:

@@ -113,10 +113,11 @@ def test_tpu_pod_watch_queues_a_suspended_or_failed_resource_again():
   notes, cmds = dry_run("tpu_pod.py", "watch", "--dry-run", *POD, "--accelerator=v5p-128", "--spot", "--poll_s=60",
                         "--wheelhouse=off", "--", *GS_MIDAS)
   assert [c[4] if c[2] == "tpus" else c[1] for c in cmds] == [
-      "describe", "czf", "storage", "create", "delete", "create"]
+      "describe", "czf", "storage", "create", "delete", "create", "storage"]
+  assert cmds[-1] == ["gcloud", "storage", "cat", "gs://bucket/runs/x/heartbeat.json"]  # each poll (test_heartbeat.py)
   assert "--format=value(state.state)" in cmds[0]
   assert any("SUSPENDED or FAILED" in n for n in notes)
-  delete, requeue = cmds[-2:]
+  delete, requeue = cmds[-3:-1]
   assert delete[:6] == ["gcloud", "compute", "tpus", "queued-resources", "delete", "pod"] and "--force" in delete
   assert requeue == cmds[3]  # the same request as the first one, start-up script and all
 
@@ -515,6 +516,6 @@ def test_tpu_pod_watch_queues_again_after_a_preemption_until_the_resource_is_gon
                                  STATES=str(tmp_path / "states"), FAILS=str(tmp_path / "fails"),
                                  TMPDIR=str(tmp_path)))
   assert proc.returncode == 1 and "stopped watching" in proc.stderr, proc.stdout + proc.stderr
-  calls = [c.split()[3] for c in (tmp_path / "calls").read_text().splitlines()]
+  calls = [c.split()[3] for c in (tmp_path / "calls").read_text().splitlines() if not c.startswith("storage cat")]
   assert calls == ["describe"] * 2 + ["delete", "create"] + ["describe", "create"] + ["describe"] * 5
   assert "SUSPENDED" in proc.stdout and "WAITING_FOR_RESOURCES" in proc.stdout

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import jax
 
-from midas_jax import flops, fs, hosts, sharding
+from midas_jax import flops, fs, heartbeat, hosts, sharding
 from midas_jax.checkpoint import metadata as metadata_lib
 from midas_jax.checkpoint.emergency import checkpointer_for
 from midas_jax.configs import RunConfig
@@ -31,6 +31,7 @@ from midas_jax.train import resume, trackers
 from midas_jax.train.checkpointer import Checkpointer
 from midas_jax.train.goodput import Goodput
 from midas_jax.train.growth_probe import GrowthProbe
+from midas_jax.train.heartbeat import HeartbeatWriter
 from midas_jax.train.metrics import MetricWriter, NullWriter, Progress
 from midas_jax.train import attempts
 from midas_jax.train.preemption import PreemptionGuard
@@ -142,6 +143,7 @@ class TrainingRun:
     self.profiler = self._open.enter_context(contextlib.closing(
         StepProfiler(self.workdir, trainer.profile_steps, self.start_step)))
     self.goodput.add("checkpoint" if self.start_step else "compile", restore_seconds)  # a fresh start compiles its init
+    self.heartbeat = self._open.enter_context(contextlib.closing(HeartbeatWriter(self.workdir, trainer.log_every)))
     self.window = _Window(self.start_step)
     self.last_loss, self.eval_loss, self.eval_seconds = float("nan"), None, 0.0
 
@@ -179,6 +181,7 @@ class TrainingRun:
     state, done, preempted = self.start_state, self.start_step, False
     self.start_state = None  # the loop owns the state now (its buffers are donated step by step)
     with PreemptionGuard() as guard:
+      self.heartbeat.beat(self.start_step, self.stage.index, None)  # this attempt is alive: restored, compiling
       try:
         for step in range(self.start_step, trainer.num_steps):
           if self.schedule.stage_at(step) > self.stage.index:  # a boundary (or resumed just before one)
@@ -193,10 +196,12 @@ class TrainingRun:
             break
       except Exception as e:
         attempts.failed_at(e, done)  # for the rule that a failure repeated at one step is not restarted
+        self.heartbeat.end(done, heartbeat.failed(e))
         raise
     if not preempted:
       self._save(state, trainer.num_steps, force=True)  # a no-op unless the loop had no step left to run
       self._write_stages(trainer.num_steps)
+    self.heartbeat.end(done, heartbeat.PREEMPTED if preempted else heartbeat.FINISHED)
     wall = time.time() - t_start
     return TrainResult(steps=done, final_loss=self.last_loss, final_eval_loss=self.eval_loss,
                        wall_seconds=wall, train_seconds=wall - self.eval_seconds, workdir=self.workdir,
@@ -314,6 +319,7 @@ class TrainingRun:
     scalars.update(speed)
     scalars.update(self.goodput.take())
     self._record(done, "train", scalars)
+    self.heartbeat.beat(done, self.stage.index, self.last_loss, speed.get("step_seconds"))
     self.progress.update(done, {"loss": f"{self.last_loss:.3f}", "depth": self.stage.depth})
 
   def _record(self, step: int, split: str, scalars: dict) -> None:
