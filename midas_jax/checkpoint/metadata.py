@@ -23,7 +23,8 @@ FORMAT_VERSION = 1
 OPERATIONAL = ("mesh.", "trainer.log_every", "trainer.eval_every", "trainer.eval_batches",
                "trainer.progress_bar", "trainer.peak_flops_per_device", "trainer.profile_steps",
                "trainer.microbatches", "trainer.loss_chunk", "model.attention", "model.matmul_operands",
-               "data.prefetch", "data.read_threads", "checkpoint.", "trainer.trackers", "trainer.wandb_project",
+               "data.prefetch", "data.read_threads", "data.read_merge_gap_bytes", "data.read_retry_timeout_s",
+               "checkpoint.", "trainer.trackers", "trainer.wandb_project",
                "trainer.wandb_entity", "trainer.wandb_name", "trainer.wandb_tags", "trainer.wandb_mode")
 
 _PACKAGES = ("midas_jax", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")

@@ -115,7 +115,11 @@ class DataConfig:
   that the store was prepared with its vocabulary, and from these settings when prepared_from is set.
   read_threads: ranged reads of a store on gs:// in flight at once per batch read (local stores are read in
   line). read_ahead: with a store on gs://, the steps whose reads run while a step is built (each read
-  costs a round trip, so several run at once).
+  costs a round trip, so several run at once). read_merge_gap_bytes: ranges of one store file that a
+  batch reads less than this many bytes apart are one request (a bucket limits requests per second, and
+  reading 256 KiB more costs a few ms, less than a request's round trip; 0: only touching ranges).
+  read_retry_timeout_s: how long a store read that meets a transient storage fault (HTTP 429, 5xx, ...)
+  is tried again, with backoff, before the run stops with exit status 75 (0: never tried again).
   min_chunk: a row is filled example by example until fewer than min_chunk of its slots remain.
 
   corpus_holdout: what the built-in corpus leaves out (data/sources/corpus.py): "none", or "composition": no
@@ -169,6 +173,8 @@ class DataConfig:
   tfds_text_feature: str = "text"
   read_threads: int = 64
   read_ahead: int = 8
+  read_merge_gap_bytes: int = 256 * 1024
+  read_retry_timeout_s: float = 300.0
   mixture: Tuple[MixtureSource, ...] = ()
 
   def __post_init__(self):
@@ -204,6 +210,12 @@ class DataConfig:
             "128 leaves room for span-corruption sentinels and mode tokens")
     require(2 <= self.min_chunk <= self.seq_len, s + "min_chunk", "must be in [2, seq_len]",
             "16 is the default")
+    require(isinstance(self.read_merge_gap_bytes, numbers.Integral) and self.read_merge_gap_bytes >= 0,
+            s + "read_merge_gap_bytes", f"must be a whole number >= 0, got {self.read_merge_gap_bytes!r}",
+            "the default is 262144 (256 KiB); 0 merges only ranges that touch")
+    require(isinstance(self.read_retry_timeout_s, numbers.Real) and 0 <= self.read_retry_timeout_s < float("inf"),
+            s + "read_retry_timeout_s", f"must be a number of seconds >= 0, got {self.read_retry_timeout_s!r}",
+            "the default is 300; 0 leaves the retries to the storage client alone")
 
   def split_seed(self, split: str) -> int:
     """The seed of `split`'s random stream: seed for "train", eval_seed (when set) for the held-out split."""

@@ -61,7 +61,8 @@ class PreparedPipeline:
     self._keys: Dict[str, np.ndarray] = {}
     for index, split in enumerate(SPLITS):
       seed = config.split_seed(split)  # the held-out split's: DataConfig.eval_seed when set
-      reader = SplitReader(store, store_format.split_shards(manifest, split, store), dtype, config.read_threads)
+      reader = SplitReader(store, store_format.split_shards(manifest, split, store), dtype, config.read_threads,
+                           config.read_merge_gap_bytes, config.read_retry_timeout_s)
       self.readers[split] = reader
       self.layouts[split] = EpochLayout(config.seq_len, self.entries, tables["length"], self._chunk, reader.tokens,
                                         reader.documents, streams.split_key(seed, _LAYOUT_STREAMS + index),
