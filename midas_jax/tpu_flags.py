@@ -33,6 +33,20 @@ class FlagGroup:
   when: str = "always"  # "always", "multislice" (a mesh over DCN) or "offload" (remat_policy='offload')
 
 
+# The scoped VMEM limit (KiB) per generation, from MaxText's benchmark recipes for dense decoders at
+# MAXTEXT; None leaves libtpu's default. Its xla_flags_library.py names 98304 DENSE_VMEM_LIMIT_FLAG.
+MAXTEXT = "github.com/AI-Hypercomputer/maxtext@e591f30"
+VMEM_LIMIT_KIB = {"v4": None, "v5e": None, "v5p": None, "v6e": 98304}
+VMEM_SOURCES = {
+    "v4": "src/maxtext/configs/tpu/v4/22b.sh and 52b.sh set none (only the async all-gather and megacore)",
+    "v5e": "benchmarks/maxtext_v5e_model_configs.py: llama2-7b-v5e-256, llama2-13b-v5e-256, gpt-3-175b-v5e-256 "
+           "set none (only llama3_1-8b-8192-v5e-256, which offloads activations to the host, sets 98304)",
+    "v5p": "benchmarks/maxtext_v5p_model_configs.py: llama2_7b_v5p_128, llama2_70b_v5p_128, gpt_3_175b_v5p_128 "
+           "set none (only llama3-1-405b-8192-v5p-1024, which offloads activations to the host, sets 98304)",
+    "v6e": "benchmarks/maxtext_trillium_model_configs.py: llama2-7b-4096, llama3-8b-8192, gpt-3-175b and "
+           "default-32 to default-512 set DENSE_VMEM_LIMIT_FLAG = 98304",
+}
+
 GROUPS = (
     FlagGroup("overlap FSDP's all-gathers", (
         "--xla_tpu_enable_async_collective_fusion=true",
@@ -42,9 +56,10 @@ GROUPS = (
         "--xla_enable_async_all_gather=true"),
         "each layer's weight gather runs during the previous layer's compute (continuation fusion), "
         "not before it", ("v4", "v5e", "v5p", "v6e")),
-    FlagGroup("scoped VMEM for dense layers", ("--xla_tpu_scoped_vmem_limit_kib=98304",),
-              "96 MiB of VMEM per op for the large dense matmuls of these layers (the default leaves "
-              "much of the v5p's and v6e's VMEM to prefetching)", ("v5p", "v6e")),
+    FlagGroup("scoped VMEM for dense layers", (f"--xla_tpu_scoped_vmem_limit_kib={VMEM_LIMIT_KIB['v6e']}",),
+              "96 MiB of VMEM per op for the large dense matmuls, as every dense recipe for v6e sets (MaxText "
+              f"{MAXTEXT}: {VMEM_SOURCES['v6e']}); v4, v5e and v5p keep libtpu's default, as MaxText's dense "
+              "recipes for them do (VMEM_SOURCES)", ("v6e",)),
     FlagGroup("overlap the cross-slice all-reduce", (
         "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
         "--xla_tpu_data_parallel_opt_different_sized_ops=true"),

@@ -1,4 +1,4 @@
-"""The TPU compiler's predicted step time (analysis/cost_model.py), read from real libtpu compiles.
+"""The TPU compiler's estimated step time (analysis/cost_model.py), read from real libtpu compiles.
 
 libtpu is in the test extra (Linux x86_64); jax describes a v5p slice without the hardware, so every
 program here is compiled for a TPU on this CPU. The checks: the cost model prices a plain matmul
@@ -17,10 +17,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import tiny_model, tiny_run
-from midas_jax import configs, flops, sharding
-from midas_jax.analysis import cost_model, dcn_cost, targets
+from midas_jax import configs, flops, results, sharding
+from midas_jax.analysis import compile_table, cost_model, dcn_cost, targets
 from midas_jax.bench import compile_bench
 from midas_jax.model.kernels import flash, flash_attention
+from midas_jax.stacking.checks import schedule_for
+from midas_jax.stacking.schedule import StageSchedule, flop_speedup
 
 V5P_PEAK = 459e12  # bf16 FLOP/s per v5p chip (hardware.py)
 V5P_HBM_BYTES_PER_S = 2.765e12
@@ -74,7 +76,7 @@ def test_a_matmul_is_priced_within_its_roofline(v5p_8):
 
 def test_the_flash_kernels_are_priced_by_the_blocks_a_causal_mask_visits(v5p_8):
   """A Pallas call is opaque to XLA's cost model, priced at nothing unless it states its cost: without
-  the kernels' estimates a flash step's attention would cost 0 FLOPs and its MFU bound be inflated."""
+  the kernels' estimates a flash step's attention would cost 0 FLOPs and its MFU estimate be inflated."""
   mesh = Mesh(np.array(v5p_8[:1]), ("x",))
   t, h, d = 2048, 4, 128
   shape = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, P()))
@@ -134,26 +136,27 @@ def test_sliced_prefetches_are_left_out_of_the_pricing_compile():
   assert cost_model.price(priced)["flops"] == cost_model.price(default)["flops"]  # the same program's work
 
 
-def test_the_prediction_is_the_compiler_price_over_the_chips_peak():
+def test_the_estimate_is_the_compiler_price_over_the_chips_peak():
   config = _run(num_layers=4)
   prices = {2: {"optimal_seconds": 1.0, "flops": 10.0, "bytes accessed": 5.0},
             3: {"optimal_seconds": 1.5, "flops": 14.0, "bytes accessed": 6.0}}
   model = dataclasses.replace(config.model, vocab_size=512)
-  out = cost_model.prediction(config, prices, (2, 4), chips=4, device_kind="TPU v5", model_config=model)
+  out = cost_model.estimate(config, prices, (2, 4), chips=4, device_kind="TPU v5", model_config=model)
   step = out["steps"]["4"]
   assert step["seconds"] == 2.0  # 1.0 + (4 - 2) x 0.5
   seq_len = config.data.seq_len
   tokens = 8 * seq_len
   assert step["tokens_per_s_per_chip"] == tokens / 2.0 / 4
-  assert step["mfu_bound"] == pytest.approx(flops.train_flops_per_token(model, seq_len, 4) * tokens / (2.0 * V5P_PEAK * 4))
+  assert step["mfu_estimate"] == pytest.approx(flops.train_flops_per_token(model, seq_len, 4) * tokens / (2.0 * V5P_PEAK * 4))
   assert cost_model.run_seconds(out, (10, 30), (2, 4)) == 10 * 1.0 + 30 * 2.0
-  # These prices count far fewer FLOPs than the model has: no bound, and the report says so.
+  # These prices count far fewer FLOPs than the model has: the times are too low, and the report says so.
   assert out["undercounted"] < 0.01
-  assert "not a lower bound" in "\n".join(compile_bench._predicted_lines(dict(out, stages=[{"depth": 4, "steps": 1}])))
+  lines = "\n".join(compile_bench.estimated_lines(dict(out, stages=[{"depth": 4, "steps": 1}])))
+  assert "these times are too low" in lines and "bound" not in lines
   counted_all = {d: dict(p, flops=flops.train_flops_per_token(model, seq_len, d) * tokens / 4) for d, p in prices.items()}
-  assert "undercounted" not in cost_model.prediction(config, counted_all, (2,), 4, "TPU v5", model)
+  assert "undercounted" not in cost_model.estimate(config, counted_all, (2,), 4, "TPU v5", model)
   negative = {2: dict(prices[2], optimal_seconds=-1.99), 3: prices[3]}
-  unpriced = cost_model.prediction(config, negative, (4,), chips=4, device_kind="TPU v5", model_config=model)
+  unpriced = cost_model.estimate(config, negative, (4,), chips=4, device_kind="TPU v5", model_config=model)
   assert "unpriced" in unpriced and cost_model.run_seconds(unpriced, (1,), (4,)) is None
 
 
@@ -198,18 +201,88 @@ def test_a_two_slice_step_is_priced_with_the_compilers_cross_slice_calls_at_zero
   assert alone["dcn_bytes"] == 0
 
 
-def test_the_data_center_network_bounds_a_multi_slice_step():
+def test_the_data_center_network_can_set_a_multi_slice_step():
   config = _run(num_layers=4)
   model = dataclasses.replace(config.model, vocab_size=512)
   v5p_dcn = 50e9 / 8  # bytes/s per chip
   prices = {2: {"optimal_seconds": 0.010, "flops": 1.0, "bytes accessed": 1.0, "dcn_bytes": 0.05 * v5p_dcn},
             3: {"optimal_seconds": 0.012, "flops": 1.0, "bytes accessed": 1.0, "dcn_bytes": 0.07 * v5p_dcn}}
-  step = cost_model.prediction(config, prices, (2, 4), chips=4, device_kind="TPU v5", model_config=model)["steps"]
+  step = cost_model.estimate(config, prices, (2, 4), chips=4, device_kind="TPU v5", model_config=model)["steps"]
   # Depth 4: the chip's price 0.014 s, the network 0.09 s: the network binds; without overlap, the sum.
   assert step["4"]["dcn_seconds"] == pytest.approx(0.09)
   assert step["4"]["seconds"] == pytest.approx(0.09) and step["4"]["seconds_without_overlap"] == pytest.approx(0.104)
   assert step["2"]["seconds"] == pytest.approx(0.05)
   cheap = {d: dict(p, dcn_bytes=0.001 * v5p_dcn) for d, p in prices.items()}
-  assert cost_model.prediction(config, cheap, (2,), 4, "TPU v5", model)["steps"]["2"]["seconds"] == 0.010
-  unknown = cost_model.prediction(config, prices, (2,), 4, "TPU v4", model)
+  assert cost_model.estimate(config, cheap, (2,), 4, "TPU v5", model)["steps"]["2"]["seconds"] == 0.010
+  unknown = cost_model.estimate(config, prices, (2,), 4, "TPU v4", model)
   assert "dcn_unpriced" in unknown and unknown["steps"]["2"]["seconds"] == 0.010
+
+
+def test_midas_wall_clock_speedup_is_the_baselines_seconds_over_the_sum_over_stages():
+  """Prices worked by hand: 1.0 s at 2 layers, 1.5 s at 3, so 0.5 s a layer over a 0.0 s base; a
+  3-stage schedule of depths 2, 4, 6 with 10, 20, 30 steps against 60 steps at 6 layers."""
+  config = _run(num_layers=6)
+  model = dataclasses.replace(config.model, vocab_size=512)
+  prices = {2: {"optimal_seconds": 1.0, "flops": 1.0, "bytes accessed": 1.0},
+            3: {"optimal_seconds": 1.5, "flops": 1.0, "bytes accessed": 1.0}}
+  est = cost_model.estimate(config, prices, (2, 4, 6), chips=4, device_kind="TPU v5", model_config=model)
+  schedule = StageSchedule((10, 20, 30), 2, (2, 4, 6))
+  out = cost_model.speedups(est, schedule, flop_speedup=1.25)
+  # steps at 2, 4, 6 layers: 1.0, 2.0, 3.0 s; baseline 60 x 3.0 = 180 s; MIDAS 10 + 40 + 90 = 140 s.
+  assert [s["seconds"] for s in out["stages"]] == [1.0, 2.0, 3.0]
+  assert out["baseline_seconds"] == 180.0 and out["stacked_seconds"] == 140.0
+  assert out["wall_clock"] == pytest.approx(180 / 140) and out["flops"] == 1.25
+
+
+def test_one_pricing_gives_each_paper_midas_schedule(v5p_8, price):
+  """A 6-layer model growing 2 layers a stage, priced once (depths 2 and 3) on a v5p-8: Prop-1, 2 and 3
+  from the same prices, each stage's step the price extrapolated to its depth, the FLOP speedup
+  flops.py's, and the table rendering one row per schedule with no "bound" in it."""
+  base = _run(num_layers=6)
+  config = dataclasses.replace(base, trainer=dataclasses.replace(base.trainer, num_steps=60),
+                               stacking=configs.StackingConfig(num_stages=3, block_size=2, operator="midas"))
+  model = dataclasses.replace(config.model, vocab_size=512)
+  schedule = schedule_for(config)
+  # A depth's program is the same whatever the schedule: priced as the extrapolation test priced it.
+  same_program = lambda c: price(dataclasses.replace(c, trainer=base.trainer, stacking=base.stacking))
+  est = compile_bench._estimated(config, v5p_8, schedule, model, chips=4, price_at=same_program)
+  assert set(est["midas"]) == {"prop1", "prop2", "prop3"}
+  one = est["midas"]["prop1"]
+  assert [(s["depth"], s["steps"]) for s in one["stages"]] == [(2, 10), (4, 20), (6, 30)]  # Prop-1: 1:2:3
+  per_layer = est["prices"]["3"]["optimal_seconds"] - est["prices"]["2"]["optimal_seconds"]
+  assert one["stages"][2]["seconds"] == pytest.approx(est["prices"]["2"]["optimal_seconds"] + 4 * per_layer)
+  assert one["wall_clock"] == pytest.approx(60 * one["stages"][2]["seconds"] / sum(
+      s["steps"] * s["seconds"] for s in one["stages"]))
+  assert one["flops"] == pytest.approx(flop_speedup(model, config.data.seq_len, schedule))
+  assert 1.0 < one["wall_clock"] < 60 * 6 / (10 * 2 + 20 * 4 + 30 * 6)  # a fixed cost per step: below layers alone
+  assert est["midas"]["prop3"]["wall_clock"] < est["midas"]["prop2"]["wall_clock"] < one["wall_clock"]
+  report = {"target": "v5p-8", "model": {"params": 3e8, "attention": "dot_product"}, "tpu_flags": [],
+            "batch": {"global": 8, "seq_len": 256, "microbatches": 1}, "estimated": est}
+  rows = compile_table.midas_rows([report])
+  assert [r[6] for r in rows] == ["midas prop1", "midas prop2", "midas prop3"]
+  assert rows[0][10] == one["wall_clock"] and rows[0][11] == one["flops"]
+  text = results.markdown(results.table(compile_table.MIDAS_COLUMNS, rows, compile_table.MIDAS_FORMATS))
+  assert "bound" not in text.lower() and "estimated" in text
+
+
+def test_the_spread_is_the_lowest_and_highest_of_repeated_estimates():
+  def report(seconds_2, seconds_3):
+    steps = {"4": {"seconds": seconds_2 + 2 * (seconds_3 - seconds_2)}}
+    return {"target": "v5p-128", "model": {"params": 1e9, "attention": "flash"}, "tpu_flags": ["a", "b"],
+            "batch": {"global": 256, "seq_len": 2048, "microbatches": 1},
+            "estimated": {"steps": steps, "prices": {"2": {"optimal_seconds": seconds_2},
+                                                      "3": {"optimal_seconds": seconds_3}}}}
+  rows = compile_table.spread_rows([report(0.10, 0.12), report(0.10, 0.13), report(0.09, 0.12)])
+  assert len(rows) == 1
+  row = rows[0]
+  assert row[5] == 3 and row[6] == "2 flags"
+  assert row[7] == pytest.approx(140.0) and row[8] == pytest.approx(160.0)  # 0.12+0.02x2=0.14..0.10+0.03x2=0.16 s
+  assert row[9] == pytest.approx(160 / 140 - 1)
+  assert (row[10], row[11], row[12], row[13]) == pytest.approx((90.0, 100.0, 120.0, 130.0))
+  # A run compiled in another setting (jax's CPU backend alone; a VMEM limit the user set) is a row of its own.
+  other = dict(report(0.11, 0.14), environment={"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
+  vmem = dict(report(0.09, 0.11), libtpu_init_args="--xla_tpu_scoped_vmem_limit_kib=98304 a b")
+  rows = compile_table.spread_rows([report(0.10, 0.12), other, report(0.10, 0.13), vmem])
+  assert [(r[5], r[6]) for r in rows] == [(2, "2 flags"), (1, "2 flags, JAX_PLATFORMS=cpu"),
+                                          (1, "3 flags, scoped VMEM 98304 KiB")]
+  assert rows[1][7] == rows[1][8] == pytest.approx(170.0) and rows[1][9] == 0.0

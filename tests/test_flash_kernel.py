@@ -222,6 +222,6 @@ def test_the_paper_1b_train_step_compiles_for_a_v5p_slice_at_32k_positions(monke
                     "ModelConfig.num_layers = 2", "ModelConfig.attention = 'flash'"])
   config = gin_config.run_config_from_gin()
   assert config.model.remat_policy == "minimal"
-  report = compile_bench.run(config, topology="v5p-8", method="compile", predict=False)  # memory, not speed
+  report = compile_bench.run(config, topology="v5p-8", method="compile", estimate_step=False)  # memory, not speed
   assert report["method"] == "compiled" and not report.get("compile_error") and report["fits"]
   assert report["compiled"]["kernel_calls"] == 3

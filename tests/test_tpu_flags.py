@@ -28,11 +28,32 @@ def test_the_groups_that_apply_follow_the_generation_the_slices_and_the_remat_po
   dcn = "--xla_tpu_enable_data_parallel_all_reduce_opt=true"
   host = "--xla_tpu_host_transfer_overlap_limit=24"
   one = tpu_flags.recommended("v5p")
-  assert overlap in one and vmem in one and dcn not in one and host not in one
-  assert vmem not in tpu_flags.recommended("v4") and overlap in tpu_flags.recommended("v4")
+  assert overlap in one and vmem not in one and dcn not in one and host not in one
+  assert vmem in tpu_flags.recommended("v6e") and overlap in tpu_flags.recommended("v4")
   assert dcn in tpu_flags.recommended("v5p", num_slices=2)
   assert host in tpu_flags.recommended("v5e", remat_policy="offload")
   assert len(one) == len(set(one)) and all(f.startswith("--") and "=" in f for f in one)
+
+
+@pytest.mark.parametrize("generation,kib,recipes", [
+    ("v4", None, ["configs/tpu/v4/22b.sh"]),
+    ("v5e", None, ["maxtext_v5e_model_configs.py", "llama2-7b-v5e-256", "gpt-3-175b-v5e-256"]),
+    ("v5p", None, ["maxtext_v5p_model_configs.py", "llama2_7b_v5p_128", "llama2_70b_v5p_128"]),
+    ("v6e", 98304, ["maxtext_trillium_model_configs.py", "llama2-7b-4096", "llama3-8b-8192"])])
+def test_the_scoped_vmem_limit_per_generation_is_the_cited_recipes(generation, kib, recipes):
+  """MaxText's dense recipes set 96 MiB on v6e and leave libtpu's default on v4, v5e and v5p (issue 39:
+  v5p had v6e's value); the value set is the one the table cites, with the recipes it comes from."""
+  assert tpu_flags.VMEM_LIMIT_KIB[generation] == kib
+  limits = [f for f in tpu_flags.recommended(generation) if f.startswith("--xla_tpu_scoped_vmem_limit_kib=")]
+  assert limits == ([] if kib is None else [f"--xla_tpu_scoped_vmem_limit_kib={kib}"])
+  assert all(r in tpu_flags.VMEM_SOURCES[generation] for r in recipes)
+  group = next(g for g in tpu_flags.GROUPS if g.name.startswith("scoped VMEM"))
+  assert (generation in group.generations) == (kib is not None) and tpu_flags.MAXTEXT in group.why
+  with open(os.path.join(REPO_ROOT, "docs/pods.md"), encoding="utf-8") as f:
+    docs = f.read()
+  row = next(line for line in docs.splitlines() if line.startswith("| `--xla_tpu_scoped_vmem_limit_kib="))
+  assert row.startswith(f"| `--xla_tpu_scoped_vmem_limit_kib={tpu_flags.VMEM_LIMIT_KIB['v6e']}` | v6e |")
+  assert all(r in row for r in recipes if not r.endswith(".sh"))
 
 
 def test_the_users_flags_keep_their_values_and_none_or_no_tpu_sets_nothing():
@@ -84,7 +105,7 @@ def _compile_for_v5p(tmp_path, user_flags=""):
   env = dict(os.environ, JAX_PLATFORMS="cpu", **{tpu_flags.ENV: user_flags})
   env.pop("MIDAS_TPU_ACCELERATOR", None)
   proc = subprocess.run([sys.executable, "-m", "midas_jax", "bench", "compile", f"--gin_file={gin_file}",
-                         "--topology=v5p-16", "--method=compile", "--no-predict", f"--json={out}"],
+                         "--topology=v5p-16", "--method=compile", "--no-estimate", f"--json={out}"],
                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
   return proc, (json.loads(out.read_text()) if out.exists() else None)
 
@@ -96,7 +117,7 @@ def test_libtpu_compiles_a_v5p_program_with_every_flag_and_refuses_an_unknown_on
   proc, report = _compile_for_v5p(tmp_path, user_flags="")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert report["method"] == "compiled" and report["tpu_flags"] == tpu_flags.recommended("v5p")
-  assert "predicted" not in report  # --no-predict: one compile, not three
+  assert "estimated" not in report  # --no-estimate: one compile, not three
   assert "libtpu flags    " in proc.stdout
   proc, report = _compile_for_v5p(tmp_path, user_flags=" ".join(every))  # the groups for other runs too
   assert proc.returncode == 0 and report["method"] == "compiled", proc.stderr[-3000:]

@@ -1,10 +1,11 @@
-"""The train step's speed as the TPU compiler predicts it: a roofline bound from XLA's cost model.
+"""The train step's speed as the TPU compiler estimates it, from XLA's cost model.
 
-A compiled program's `cost_analysis()` gives `optimal_seconds`: the compiler's own lower bound on
-its run time, summed over its instructions from their FLOPs and bytes against the target chip's
-peaks. It is not a measurement: it leaves out what a roofline cannot see (collectives waiting on
-the network, pipeline bubbles, a kernel below its peak), so a real step is slower. It does read the
-program that would run, after fusion and layout, with every FLOP remat recomputes.
+A compiled program's `cost_analysis()` gives `optimal_seconds`: the compiler's estimate of its run
+time, each instruction's cost from its FLOPs and bytes against the target chip's peaks, collectives
+included, summed. It is an estimate, neither a measurement nor a bound: a real step can be faster
+(a collective overlapping the compute the sum counts after it) or slower (a kernel below its peak,
+collectives waiting on the network, pipeline bubbles). It does read the program that would run,
+after fusion and layout, with every FLOP remat recomputes.
 
 Two things the cost model does not do, and how the price is made whole:
   * it prices a loop's body once, whatever its trip count. The layer loop and the microbatch loop
@@ -24,8 +25,8 @@ fused cross-slice all-reduce's buffer (ZeroCrop), -1 s each where each is a scal
 price() counts them at 0 (UNPRICED_CALLS). A negative price is still reported as unpriced, never as a time.
 
 What the cost model prices far too cheaply is the data-center network between slices (dcn_cost.py):
-the prediction adds the bytes each chip sends across slices at the network's bandwidth, as a bound of its
-own (the step takes at least the longer of the two) and as the step without overlap (their sum).
+the estimate adds the bytes each chip sends across slices at the network's bandwidth: the step is the
+longer of the two where they overlap fully, and their sum where they do not overlap.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def price(compiled, slices: int = 1) -> Dict[str, float]:
 PRICING_OPTIONS = {"xla_tpu_sliced_prefetch_max_slices": 0}
 
 # A program does at least the model's FLOPs (remat adds more). Where the cost model counts fewer (libtpu
-# 0.0.42 on v4 counts 0.25-0.70 of them), its seconds are no bound and the report says so.
+# 0.0.42 on v4 counts 0.25-0.70 of them), its seconds are too low and the report says so.
 COUNTED_AT_LEAST = 0.9
 
 PRICE_DEPTHS = (2, 3)  # the two depths every step is priced at (the first layer adds less than the others)
@@ -93,10 +94,10 @@ def priced_depths(config: RunConfig, price_at) -> Dict[int, Dict[str, float]]:
   return out
 
 
-def prediction(config: RunConfig, prices: Dict[int, Dict[str, float]], depths: Sequence[int], chips: int,
-               device_kind: str, model_config) -> Dict[str, Any]:
-  """The predicted step at each depth: seconds, tokens/s per chip, and the MFU bound (model FLOPs over
-  the chips' bf16 peak for the predicted seconds). `model_config` has the run's vocabulary."""
+def estimate(config: RunConfig, prices: Dict[int, Dict[str, float]], depths: Sequence[int], chips: int,
+             device_kind: str, model_config) -> Dict[str, Any]:
+  """The estimated step at each depth: seconds, tokens/s per chip, and the MFU estimate (model FLOPs
+  over the chips' bf16 peak for the estimated seconds). `model_config` has the run's vocabulary."""
   peak = hardware.known_peak_flops(device_kind)
   tokens = config.data.batch_size * config.data.seq_len
   if any(p["optimal_seconds"] <= 0 for p in prices.values()):
@@ -109,11 +110,11 @@ def prediction(config: RunConfig, prices: Dict[int, Dict[str, float]], depths: S
     priced = extrapolate(prices, depth)
     dcn_bytes = priced.get("dcn_bytes", 0.0)
     dcn_seconds = dcn_bytes / bandwidth if bandwidth and dcn_bytes else 0.0
-    seconds = max(priced["optimal_seconds"], dcn_seconds)  # the network and the chip can overlap, at best
+    seconds = max(priced["optimal_seconds"], dcn_seconds)  # the network and the chip overlapping fully
     model_flops = flops.train_flops_per_token(model_config, config.data.seq_len, depth) * tokens
     steps[str(depth)] = {
         "seconds": seconds, "tokens_per_s_per_chip": tokens / seconds / chips,
-        "mfu_bound": None if peak is None else model_flops / (seconds * peak * chips),
+        "mfu_estimate": None if peak is None else model_flops / (seconds * peak * chips),
         "compiler_seconds": priced["optimal_seconds"], "dcn_bytes_per_chip": dcn_bytes,
         "dcn_seconds": dcn_seconds, "seconds_without_overlap": priced["optimal_seconds"] + dcn_seconds,
         "compiler_flops_per_chip": priced["flops"], "model_flops_per_chip": model_flops / chips,
@@ -128,8 +129,21 @@ def prediction(config: RunConfig, prices: Dict[int, Dict[str, float]], depths: S
   return out
 
 
-def run_seconds(prediction_: Dict[str, Any], stage_steps: Sequence[int], depths: Sequence[int]) -> Optional[float]:
-  """A whole (stacked) run's predicted seconds: each stage's steps at its depth's predicted step."""
-  if "steps" not in prediction_:
+def run_seconds(estimate_: Dict[str, Any], stage_steps: Sequence[int], depths: Sequence[int]) -> Optional[float]:
+  """A whole (stacked) run's estimated seconds: each stage's steps at its depth's estimated step."""
+  if "steps" not in estimate_:
     return None
-  return sum(n * prediction_["steps"][str(d)]["seconds"] for n, d in zip(stage_steps, depths))
+  return sum(n * estimate_["steps"][str(d)]["seconds"] for n, d in zip(stage_steps, depths))
+
+
+def speedups(estimate_: Dict[str, Any], schedule, flop_speedup: float) -> Dict[str, Any]:
+  """A stacked schedule against the full-depth baseline of the same steps: the estimated wall-clock
+  speedup (the baseline's steps x its step's estimate over the sum over stages of steps x the
+  estimate at that stage's depth) beside the FLOP speedup (stacking.schedule.flop_speedup), and
+  each stage's estimated step."""
+  baseline = schedule.num_steps * estimate_["steps"][str(schedule.depths[-1])]["seconds"]
+  stacked = run_seconds(estimate_, schedule.stage_steps, schedule.depths)
+  return {"stages": [{"depth": d, "steps": n, "seconds": estimate_["steps"][str(d)]["seconds"]}
+                     for d, n in zip(schedule.depths, schedule.stage_steps)],
+          "baseline_seconds": baseline, "stacked_seconds": stacked, "wall_clock": baseline / stacked,
+          "flops": flop_speedup}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Dict, List, Optional, Sequence
 
 import jax
@@ -33,7 +34,7 @@ from midas_jax.data.vocab.factory import make_vocabulary
 from midas_jax.errors import ConfigError, require
 from midas_jax.model import dummy_batch
 from midas_jax.stacking.checks import schedule_for
-from midas_jax.stacking.schedule import StageSchedule
+from midas_jax.stacking.schedule import StageSchedule, flop_speedup, schedule_from_config
 from midas_jax.train.build import StageBuild, model_and_layout
 from midas_jax.train_state import StateLayout
 
@@ -131,9 +132,10 @@ def _growth_peak(config: RunConfig, schedule: StageSchedule, mesh, final_state: 
 
 
 def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
-        hbm_gib: Optional[float] = None, predict: bool = True) -> Dict[str, Any]:
+        hbm_gib: Optional[float] = None, estimate_step: bool = True) -> Dict[str, Any]:
   """The per-device memory report. method: "auto" (compile where possible), "compile" or "analytic";
-  predict: for a TPU target, also the cost model's step time (two more compiles, analysis/cost_model.py)."""
+  estimate_step: for a TPU target, also the cost model's estimated step time (two more compiles,
+  analysis/cost_model.py)."""
   require(method in ("auto", "compile", "analytic"), "--method", f"unknown method {method!r}",
           "use auto, compile or analytic")
   schedule = schedule_for(config)  # a stacked config's growth, checked before anything compiles
@@ -197,61 +199,135 @@ def run(config: RunConfig, topology: Optional[str] = None, method: str = "auto",
       if "RESOURCE_EXHAUSTED" not in str(e):
         raise
       report.update(compiled=None, compile_error=str(e).splitlines()[0], total=analytic["total"], fits=False)
-      report["max_global_batch"] = memory_model.max_global_batch(analytic, micro_rows, report["hbm"],
-                                                                 shape[0] * shape[1], trainer.microbatches)
+      report["max_global_batch"] = memory_model.max_global_batch(
+          analytic, micro_rows, report["hbm"], shape[0] * shape[1], trainer.microbatches, platform=platform)
       return report
     memory["peak"] = memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
     report.update(compiled=memory, total=memory["peak"])
-    if target.platform == "tpu" and predict:
-      report["predicted"] = _predicted(config, devices, schedule, model_config, target.num_devices)
+    if target.platform == "tpu" and estimate_step:
+      report["estimated"] = _estimated(config, devices, schedule, model_config, target.num_devices)
   else:
     report.update(method="analytic", note=why or "analytic estimate requested")
     report["total"] = analytic["total"]
   hbm = report["hbm"]
-  report["fits"] = None if hbm is None else bool(report["total"] <= hbm)
+  report["fits"] = memory_model.fits(report["total"], hbm, platform)  # a GPU keeps its headroom
   report["max_global_batch"] = memory_model.max_global_batch(analytic, micro_rows, hbm, shape[0] * shape[1],
-                                                             trainer.microbatches)
+                                                             trainer.microbatches, platform=platform)
   return report
 
 
-def _predicted(config: RunConfig, devices, schedule: StageSchedule, model_config, chips: int) -> Dict[str, Any]:
-  """The TPU compiler's predicted step at every stage depth, and the whole run's seconds (analysis/cost_model.py)."""
-  prices = cost_model.priced_depths(
-      config, lambda c: cost_model.price(compiled_train_step(c, devices, unroll_microbatches=c.trainer.microbatches > 1,
-                                                             compiler_options=cost_model.PRICING_OPTIONS),
-                                         slices=c.mesh.num_slices))
-  out = cost_model.prediction(config, prices, schedule.depths, chips, devices[0].device_kind, model_config)
+def _price_on(devices):
+  """price_at(config): the cost model's totals of config's train step compiled for `devices` to be priced."""
+  return lambda c: cost_model.price(compiled_train_step(c, devices, unroll_microbatches=c.trainer.microbatches > 1,
+                                                        compiler_options=cost_model.PRICING_OPTIONS),
+                                    slices=c.mesh.num_slices)
+
+
+def _estimated(config: RunConfig, devices, schedule: StageSchedule, model_config, chips: int,
+               price_at=None) -> Dict[str, Any]:
+  """The TPU compiler's estimated step at every stage depth, the whole run's seconds, and for a stacked
+  config each paper MIDAS schedule's estimated wall-clock and FLOP speedups (analysis/cost_model.py).
+  price_at: how one config is priced (default: compiled for `devices`)."""
+  prices = cost_model.priced_depths(config, price_at or _price_on(devices))
+  schedules = paper_schedules(config, schedule) or ({"own": schedule} if schedule.num_stages > 1 else {})
+  depths = sorted({d for s in schedules.values() for d in s.depths} | set(schedule.depths))
+  out = cost_model.estimate(config, prices, depths, chips, devices[0].device_kind, model_config)
   out["run_seconds"] = cost_model.run_seconds(out, schedule.stage_steps, schedule.depths)
   out["stages"] = [{"depth": d, "steps": n} for d, n in zip(schedule.depths, schedule.stage_steps)]
+  if "steps" in out and schedule.num_stages > 1:
+    out["midas"] = {name: cost_model.speedups(out, s, flop_speedup(model_config, config.data.seq_len, s))
+                    for name, s in schedules.items()}
+    out["operator"] = config.stacking.operator
   return out
 
 
-def _predicted_lines(predicted: Optional[Dict[str, Any]]) -> List[str]:
-  """The TPU compiler's predicted step, per stage depth; a bound from its cost model, not a measurement."""
-  if not predicted:
+# The MIDAS paper's schedules: Prop-alpha stage lengths (gin/schedules/prop1.gin, prop2, prop3), the
+# only difference between gin/experiments/paper_*_midas_prop{1,2,3}.gin.
+PAPER_ALPHAS = {"prop1": 1.0, "prop2": 2.0, "prop3": 3.0}
+
+
+def paper_schedules(config: RunConfig, schedule: StageSchedule) -> Dict[str, StageSchedule]:
+  """A stacked config's schedule under each paper Prop-alpha (same stages, block and steps): one
+  pricing serves all three, since a step's price depends on its depth, not on the stage lengths.
+  Empty for a config that does not grow, or one with explicit stage_steps (priced as its own, "own")."""
+  st = config.stacking
+  if schedule.num_stages == 1 or st.stage_steps is not None:
+    return {}
+  return {name: schedule_from_config(dataclasses.replace(st, alpha=alpha), config.trainer.num_steps,
+                                     config.model.num_layers) for name, alpha in PAPER_ALPHAS.items()}
+
+
+# What else in the environment reaches libtpu or jax's start, kept with each estimate as the command
+# found it (jax sets more of these itself when it starts): what differs between two runs whose
+# estimates differ.
+ESTIMATE_ENVIRONMENT = ("JAX_PLATFORMS", "ALLOW_MULTIPLE_LIBTPU_LOAD", "XLA_FLAGS", "TPU_ACCELERATOR_TYPE",
+                        "TPU_WORKER_HOSTNAMES")
+
+
+def estimate(config: RunConfig, topology: str) -> Dict[str, Any]:
+  """The pricing compiles alone (no memory compile): the estimated step at each stage depth for a TPU
+  target, the flags it was compiled under, and MIDAS's speedups. What `midas bench estimate` repeats
+  to measure how much the same compile's estimate moves between processes."""
+  environment = {k: os.environ[k] for k in ESTIMATE_ENVIRONMENT if os.environ.get(k)}
+  schedule = schedule_for(config)
+  target = targets.parse_target(topology)
+  require(target.platform == "tpu", "--topology", f"{target.name} is not a TPU slice",
+          "estimates come from libtpu's cost model: name a TPU slice (e.g. v5p-128)")
+  require(target.num_slices == config.mesh.num_slices, "MeshConfig.dcn_data",
+          f"{target.name} has {target.num_slices} slice(s) but the mesh spans {config.mesh.num_slices}",
+          "use a mesh file for that many slices (e.g. gin/meshes/tpu_2x_v5p_128.gin)")
+  model_config = dataclasses.replace(config.model, vocab_size=vocab_size_of(config))
+  flags = tpu_flags.apply(config.mesh.tpu_flags, target.num_slices, model_config.remat_policy,
+                          accelerator=target.name.split("x", 1)[-1])
+  devices, why = targets.tpu_devices(target)
+  require(devices is not None, "--topology", f"cannot compile for {target.name}: {why}",
+          "install libtpu (pip install 'midas_jax[tpu]')")
+  shape = sharding.resolve_mesh_shape(config.mesh, target.num_devices)
+  return {"target": target.name, "devices": target.num_devices, "device_kind": devices[0].device_kind,
+          "mesh": dict(zip(sharding.MESH_AXES, shape)), "tpu_flags": flags["added"],
+          "libtpu_init_args": os.environ.get(tpu_flags.ENV, ""),
+          "environment": environment,
+          "model": {"params": flops.param_counts(model_config)["total"], "layers": model_config.num_layers,
+                    "d_model": model_config.d_model,
+                    "attention": _parts(config, AbstractMesh(shape, sharding.MESH_AXES), platform="tpu")[1]
+                                 .attention_implementation},
+          "batch": {"global": config.data.batch_size, "seq_len": config.data.seq_len,
+                    "microbatches": config.trainer.microbatches},
+          "estimated": _estimated(config, devices, schedule, model_config, target.num_devices)}
+
+
+def estimated_lines(estimated: Optional[Dict[str, Any]]) -> List[str]:
+  """The TPU compiler's estimated step, per stage depth: its cost model's sum over instructions, not a
+  measurement and not a bound (a real step can overlap what it sums, or run kernels below peak)."""
+  if not estimated:
     return []
-  if "unpriced" in predicted:
-    return [f"predicted       none: {predicted['unpriced']}"]
-  lines = ["predicted       the TPU compiler's cost model (a roofline lower bound on the step, not a measured "
-           "time; analysis/cost_model.py):"]
-  for stage in predicted["stages"]:
-    s = predicted["steps"][str(stage["depth"])]
-    mfu = "-" if s["mfu_bound"] is None else f"{s['mfu_bound']:.1%}"
+  if "unpriced" in estimated:
+    return [f"estimated       none: {estimated['unpriced']}"]
+  lines = ["estimated       the TPU compiler's cost model (its instructions' costs summed, collectives included: an "
+           "estimate, not a measured time; analysis/cost_model.py):"]
+  for stage in estimated["stages"]:
+    s = estimated["steps"][str(stage["depth"])]
+    mfu = "-" if s["mfu_estimate"] is None else f"{s['mfu_estimate']:.1%}"
     lines.append(f"  {stage['depth']:>3} layers    {s['seconds'] * 1e3:,.1f} ms a step, "
-                 f"{s['tokens_per_s_per_chip']:,.0f} tokens/s per chip, MFU at most {mfu} "
+                 f"{s['tokens_per_s_per_chip']:,.0f} tokens/s per chip, MFU {mfu} "
                  f"({stage['steps']:,} steps)")
-  deepest = predicted["steps"][str(max(st["depth"] for st in predicted["stages"]))]
+  deepest = estimated["steps"][str(max(st["depth"] for st in estimated["stages"]))]
   if deepest.get("dcn_bytes_per_chip"):
     lines.append(f"  across slices {deepest['dcn_bytes_per_chip'] / 2 ** 20:,.1f} MiB a chip a step over the data-center "
                  f"network: {deepest['dcn_seconds'] * 1e3:,.1f} ms at its bandwidth (analysis/dcn_cost.py), "
                  f"{deepest['seconds_without_overlap'] * 1e3:,.1f} ms a step if it does not overlap the compute")
-  if predicted.get("dcn_unpriced"):
-    lines.append(f"  caution       {predicted['dcn_unpriced']}")
-  if len(predicted["stages"]) > 1:
-    lines.append(f"  whole run     {predicted['run_seconds'] / 3600:,.2f} h of predicted steps")
-  if "undercounted" in predicted:
-    lines.append(f"  caution       the cost model counted {predicted['undercounted']:.0%} of the model's FLOPs for this "
-                 "target, so these times are not a lower bound")
+  if estimated.get("dcn_unpriced"):
+    lines.append(f"  caution       {estimated['dcn_unpriced']}")
+  if len(estimated["stages"]) > 1:
+    lines.append(f"  whole run     {estimated['run_seconds'] / 3600:,.2f} h of estimated steps")
+  for name, m in estimated.get("midas", {}).items():
+    lines.append(f"  {estimated.get('operator', 'midas')} {name}   {m['wall_clock']:.2f}x estimated wall-clock speedup "
+                 "over the full-depth baseline "
+                 f"({m['baseline_seconds'] / 3600:,.2f} h against {m['stacked_seconds'] / 3600:,.2f} h), "
+                 f"{m['flops']:.2f}x in FLOPs")
+  if "undercounted" in estimated:
+    lines.append(f"  caution       the cost model counted {estimated['undercounted']:.0%} of the model's FLOPs for this "
+                 "target: these times are too low")
   return lines
 
 
@@ -310,9 +386,10 @@ def format_report(r: Dict[str, Any]) -> str:
       lines.append(f"reductions      all-reduce and reduce-scatter in the optimized program: {where} (one in a "
                    "loop runs once per trip" + ("; the outermost loop is the microbatches'" if b["microbatches"] > 1
                                                 else "") + ")")
-  lines += _predicted_lines(r.get("predicted"))
+  lines += estimated_lines(r.get("estimated"))
   verdict = "unknown (no memory size for this target; pass --hbm_gib)" if r["fits"] is None else (
       f"{'fits' if r['fits'] else 'does NOT fit'} in {_gib(r['hbm'])} per device "
+      + (f"(of which {memory_model.GPU_USABLE_FRACTION:.0%} may be planned) " if r.get("platform") == "gpu" else "") +
       f"({'the compiler refused it; analytic' if r.get('compile_error') else r['method']}: {_gib(r['total'])})")
   lines.append(f"verdict         {verdict}")
   if r["max_global_batch"] is not None:

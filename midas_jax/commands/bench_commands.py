@@ -5,8 +5,11 @@
   midas bench checkpoint --gin_file=F [--gin.KEY=VALUE ...] --workdir=DIR
   midas bench preemption --gin_file=F [--gin.KEY=VALUE ...] [--steps=N]   (on N processes: launch/local.py)
   midas bench data --gin_file=F [--gin.KEY=VALUE ...] [--seconds=S] [--consumption=SLICE] [--storage_latency_ms=MS]
+  midas bench store [--targets=CONFIG@SLICE ...] [--documents=N] [--steps=N] [--json=OUT] [--results=OUT]
   midas bench compile --gin_file=F [--gin_file=MESH] [--topology=v5p-128|2xv5p-128] [--method=auto] [--json=OUT]
   midas bench compile-table --after REPORT.json ... [--before REPORT.json ...]
+  midas bench estimate --gin_file=F [--gin_file=MESH] --topology=v5p-128 [--json=OUT]
+  midas bench estimate-table --reports REPORT.json ... --results=docs/results/pod_estimated_speed.json
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ import argparse
 
 import jax
 
-from midas_jax import distributed, fs
+from midas_jax import distributed, fs, results, versions
 from midas_jax.analysis import compile_table
 from midas_jax.bench import (checkpoint_bench, compile_bench, data_bench, preemption_bench, stacking_bench,
-                             train_bench)
+                             store_requests, train_bench)
 from midas_jax.commands.common import CommandGroup, add_gin_flags, bench_group, load_run_config
 
 
@@ -75,6 +78,18 @@ def add_commands(root: CommandGroup) -> None:
                       "bucket answers (the report counts the requests per step)")
   _json_flag(p)
 
+  p = bench.command("store", _store, help="read requests per second per bucket for the paper configs on their "
+                    "slices, before and after the reader coalesces a batch's ranges (a synthetic store, counted)")
+  p.add_argument("--targets", nargs="+", default=list(store_requests.PAPER_SLICES),
+                 help="CONFIG@SLICE: a gin/experiments name (or a .gin path) and a TPU slice")
+  p.add_argument("--documents", type=int, default=100_000, help="documents of the synthetic store")
+  p.add_argument("--mean_length", type=float, default=430.0, help="their mean length in tokens (C4 with T5's model)")
+  p.add_argument("--synthetic_dir", default=None, help="where the synthetic stores go (default: a temp folder)")
+  p.add_argument("--steps", type=int, default=16, help="steps counted")
+  p.add_argument("--mfu", type=float, default=0.4, help="the MFU the step times assume")
+  _json_flag(p)
+  p.add_argument("--results", default=None, help="also write the docs table's results file (docs/results/...json)")
+
   p = bench.command("compile", _compile, help="will it fit: per-device memory of the train step, compiled ahead of "
                     "time (or estimated) for a mesh and topology")
   add_gin_flags(p)
@@ -85,9 +100,15 @@ def add_commands(root: CommandGroup) -> None:
   p.add_argument("--method", default="auto", choices=("auto", "compile", "analytic"),
                  help="auto: compile where jax can describe the target, else estimate analytically")
   p.add_argument("--hbm_gib", type=float, default=None, help="memory per device to check against")
-  p.add_argument("--predict", action=argparse.BooleanOptionalAction, default=True,
-                 help="for a TPU target, also the TPU compiler's predicted step time (two more compiles; "
-                      "--no-predict skips them)")
+  p.add_argument("--estimate", action=argparse.BooleanOptionalAction, default=True,
+                 help="for a TPU target, also the TPU compiler's estimated step time (two more compiles; "
+                      "--no-estimate skips them)")
+  _json_flag(p)
+
+  p = bench.command("estimate", _estimate, help="the TPU compiler's estimated step at each stage depth and MIDAS's "
+                    "estimated wall-clock speedup, from the pricing compiles alone (no memory compile)")
+  add_gin_flags(p)
+  p.add_argument("--topology", required=True, help="a TPU slice as gcloud names it (v5p-128, v5litepod-64, 2xv5p-128)")
   _json_flag(p)
 
   p = bench.command("compile-table", _compile_table, help="the markdown table of docs/pods.md from `bench compile "
@@ -95,6 +116,13 @@ def add_commands(root: CommandGroup) -> None:
   # nargs="+" so a shell glob (`--after after/*.json`) passes every report; the flag may also repeat
   p.add_argument("--after", action="extend", nargs="+", default=[], required=True, help="reports; repeatable")
   p.add_argument("--before", action="extend", nargs="+", default=[], help="reports to compare with; repeatable")
+
+
+  p = bench.command("estimate-table", _estimate_table, help="MIDAS's estimated speedups and the estimates' spread "
+                    "over repeated compiles, from `bench estimate --json` reports, into a results file")
+  p.add_argument("--reports", action="extend", nargs="+", default=[], required=True, help="reports; repeatable")
+  p.add_argument("--results", required=True, help="the results file to write the two tables into (its other "
+                 "tables stay)")
 
 
 def _report(args, report, text: str) -> int:
@@ -141,11 +169,58 @@ def _data(args, bindings) -> int:
   return _report(args, report, data_bench.format_report(report))
 
 
+def _store(args, bindings) -> int:
+  targets = []
+  for target in args.targets:
+    path, topology = store_requests.parse_target(target)
+    config, _ = load_run_config([path], ["DataConfig.vocab='byte'"] + list(bindings))
+    targets.append((fs.basename(path)[:-len(".gin")], config, topology))
+  report = store_requests.run(targets, documents=args.documents, mean_length=args.mean_length, steps=args.steps,
+                              mfu=args.mfu, folder=args.synthetic_dir)
+  if args.results:
+    command = "midas bench store " + " ".join(f"--targets={t}" for t in args.targets) + (
+        f" --documents={args.documents} --steps={args.steps} --mfu={args.mfu:g}")
+    results.write(fs.check(args.results, "--results"), {"requests_per_bucket": store_requests.results_table(report)},
+                  results.provenance("the reader's request counts on a synthetic store on local disk (the same "
+                                     "requests on gs://)", command=command))
+  return _report(args, report, store_requests.format_report(report))
+
+
 def _compile(args, bindings) -> int:
   config, _ = load_run_config(args.gin_file, bindings)
   report = compile_bench.run(config, topology=args.topology, method=args.method, hbm_gib=args.hbm_gib,
-                             predict=args.predict)
+                             estimate_step=args.estimate)
   return _report(args, report, compile_bench.format_report(report))
+
+
+def _estimate(args, bindings) -> int:
+  config, _ = load_run_config(args.gin_file, bindings)
+  report = compile_bench.estimate(config, args.topology)
+  text = "\n".join([f"target          {report['target']} ({report['devices']} devices, {report['device_kind']})",
+                    f"libtpu flags    {report['libtpu_init_args'] or 'none'}"]
+                   + compile_bench.estimated_lines(report["estimated"]))
+  return _report(args, report, text)
+
+
+def _estimate_table(args, bindings) -> int:
+  del bindings
+  reports = compile_table.load_reports(args.reports)
+  path = fs.check(args.results, "--results")
+  old = results.read(path) if fs.exists(path) else {"provenance": {}, "tables": {}}
+  tables = dict(old["tables"])
+  tables["midas_speedup"] = results.table(compile_table.MIDAS_COLUMNS, compile_table.midas_rows(reports),
+                                          compile_table.MIDAS_FORMATS)
+  tables["estimate_spread"] = results.table(compile_table.SPREAD_COLUMNS, compile_table.spread_rows(reports),
+                                            compile_table.SPREAD_FORMATS)
+  kinds = sorted({r.get("device_kind", "?") for r in reports})
+  said = results.provenance(f"TPU targets ({', '.join(kinds)}) compiled ahead of time by libtpu "
+                            f"{versions.installed(['libtpu']).get('libtpu', '?')} on a CPU-only machine", command="midas bench estimate ... --json=R.json per run (one process each), "
+                            "then midas bench estimate-table --reports R.json ...")
+  for name in ("midas_speedup", "estimate_spread"):
+    tables[name]["provenance"] = said
+  results.write(path, tables, old["provenance"])
+  print(results.markdown(tables["midas_speedup"]) + "\n\n" + results.markdown(tables["estimate_spread"]))
+  return 0
 
 
 def _compile_table(args, bindings) -> int:
