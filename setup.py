@@ -6,10 +6,12 @@ from setuptools import find_packages, setup
 # downgrading it; the exact versions CI and the README install (and the suite passed with) are in
 # requirements/constraints.txt, passed with `-c` (docs/dependencies.md). jax, flax, orbax and optax change each
 # other's APIs between minor releases: each is held to the minor release it was tested at, from the first version
-# that has what we call (flax 0.12.8 needs jax 0.10; optax.tree.norm is 0.2.5's).
+# that has what we call (flax 0.12.8 needs jax 0.10; optax.tree.norm is 0.2.5's). jax and jaxlib also take 0.11, the
+# jax GPU images ship (0.11 needs Python 3.12; on 3.11 pip takes 0.10): every jax API the code names exists in
+# 0.11.0 and none it uses was removed there (docs/dependencies.md says what was and was not run on it).
 CORE = [
-    "jax>=0.10.0,<0.11",
-    "jaxlib>=0.10.0,<0.11",
+    "jax>=0.10.0,<0.12",
+    "jaxlib>=0.10.0,<0.12",
     "flax>=0.12.8,<0.13",
     "optax>=0.2.5,<0.3",
     "orbax-checkpoint>=0.12.8,<0.13",
@@ -44,8 +46,11 @@ EXTRAS = {
              "libtpu>=0.0.40; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     # libtpu for a TPU VM or a GKE TPU node: with the core, all that a run on a prepared store needs
     # (what launch/tpu_pod.py and launch/Dockerfile install on a pod's workers; no TensorFlow or Beam).
-    "tpu": ["jax[tpu]>=0.10.0,<0.11"],
-    "cuda12": ["jax[cuda12]>=0.10.0,<0.11"],
+    "tpu": ["jax[tpu]>=0.10.0,<0.12"],
+    # NVIDIA GPUs: jax's CUDA plugin and the CUDA wheels, for CUDA 12 or 13 drivers (images with CUDA 13, such as
+    # the H100/H200 one #40 measures on, take cuda13; a driver's `nvidia-smi` prints the CUDA version it supports).
+    "cuda12": ["jax[cuda12]>=0.10.0,<0.12"],
+    "cuda13": ["jax[cuda13]>=0.10.0,<0.12"],
     # Weights & Biases as a tracker (TrainerConfig): init with a run id to resume, log, config.
     "wandb": ["wandb>=0.19"],
     # lm-evaluation-harness (`midas eval --suite=lm_eval`): the 0.4 model API (lm_eval.api.model.LM).

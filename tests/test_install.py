@@ -24,7 +24,7 @@ from packaging.requirements import Requirement
 from conftest import REPO_ROOT
 
 CONSTRAINTS = os.path.join(REPO_ROOT, "requirements", "constraints.txt")
-PLATFORM_EXTRAS = ("tpu", "cuda12")  # what a TPU VM or a GPU machine adds; not installed by the tests
+PLATFORM_EXTRAS = ("tpu", "cuda12", "cuda13")  # what a TPU VM or a GPU machine adds; not installed by the tests
 
 
 def setup_lists():
@@ -66,6 +66,19 @@ def test_setup_states_ranges_and_the_constraints_pin_a_version_inside_each():
     assert canonical(req.name) in pinned, f"{req.name} has no pin in requirements/constraints.txt"
     assert req.specifier.contains(pinned[canonical(req.name)], prereleases=True), (text, pinned[canonical(req.name)])
   assert {"wandb", "eval"} <= set(extras) and pinned["wandb"] == "0.31.0" and pinned["lm-eval"] == "0.4.13"
+
+
+GPU_IMAGE_JAX = "0.11.2"  # what the H100/H200 image ships (its CUDA 13 plugin too); the run there uses it
+
+
+def test_jax_ranges_take_the_gpu_images_jax_and_every_platform_extra_the_same_releases():
+  core, extras = setup_lists()
+  ranges = {canonical(r.name): r.specifier for r in map(Requirement, core)}
+  for name in ("jax", "jaxlib"):
+    assert ranges[name].contains(GPU_IMAGE_JAX) and ranges[name].contains(pins()[name]), (name, ranges[name])
+  for extra in PLATFORM_EXTRAS:
+    (req,) = map(Requirement, extras[extra])
+    assert req.name == "jax" and req.extras == {extra} and req.specifier == ranges["jax"], extras[extra]
 
 
 def test_the_readme_test_command_is_what_ci_runs_and_installs_every_extra_with_the_constraints():

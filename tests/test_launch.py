@@ -38,7 +38,7 @@ def test_slurm_writes_one_task_per_gpu_and_submits():
     assert f"#SBATCH {option}" in script
   assert "source /opt/venv/bin/activate" in script
   srun = [l for l in script if l.startswith("srun ")]
-  assert len(srun) == 1 and srun[0].endswith("python -m midas_jax " + shlex.join(MIDAS) + " || status=$?")
+  assert len(srun) == 1 and srun[0].endswith("python -m midas_jax " + shlex.join(MIDAS) + " &")
   assert script[-1] == 'exit "$status"'  # the job ends with the run's status, after a line that says what it means
   assert "  76) echo 'midas: ended with 76 (preempted, saved): submit this script again (it resumes from the " \
          "workdir)' ;;" in script
@@ -51,7 +51,7 @@ def test_slurm_and_local_pass_env():
   notes, _ = dry_run("slurm.py", "--dry-run", "--env=A=1", "--env=B=x y", "--", *GS_MIDAS)
   script = [n[len("#   "):] for n in notes if n.startswith("#   ")]
   assert "export A=1" in script and "export B='x y'" in script
-  assert next(l for l in script if l.startswith("srun ")).endswith(shlex.join(GS_MIDAS) + " || status=$?")
+  assert next(l for l in script if l.startswith("srun ")).endswith(shlex.join(GS_MIDAS) + " &")
   _, cmds = dry_run("local.py", "--dry-run", "--num_processes=2", "--env=A=1", "--", *GS_MIDAS)
   assert all(c[0] == "env" and "A=1" in c for c in cmds)
   proc = subprocess.run([sys.executable, "launch/local.py", "--dry-run", "--env=1A=x", "--", *MIDAS],
