@@ -120,7 +120,10 @@ def sbatch_script(args) -> str:
   lines += nccl.script_lines(args.interconnect)
   lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(args.env.items())]
   lines += [
-      "export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92  # leave room for NCCL's buffers",
+      "# jax's share of each GPU (leave room for NCCL's buffers); jaxlib reads XLA_CLIENT_MEM_FRACTION and refuses",
+      "# it beside the deprecated XLA_PYTHON_CLIENT_MEM_FRACTION, so a value the user set under either is kept",
+      'export XLA_CLIENT_MEM_FRACTION="${XLA_CLIENT_MEM_FRACTION:-${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}}"',
+      "unset XLA_PYTHON_CLIENT_MEM_FRACTION",
       "# srun runs in the background so that this shell can take SLURM's SIGTERM (--signal=B:) and pass it",
       "# on: srun forwards it to every task. `wait` returns early when the trap runs, so wait again.",
       "srun --kill-on-bad-exit=1 " + shlex.join(["python", "-m", "midas_jax", *args.midas_args]) + " &",

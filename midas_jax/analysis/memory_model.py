@@ -22,7 +22,7 @@ from midas_jax.configs import ModelConfig
 # The other 10% is what the count does not see: the CUDA context and cuDNN/cuBLAS workspaces (cuDNN's
 # attention backward asks for its own scratch buffer), NCCL's buffers, and the fragmentation of XLA's
 # BFC allocator (a free total is not one free block). A run must also let XLA take that much: jax
-# preallocates XLA_PYTHON_CLIENT_MEM_FRACTION of the memory, 0.75 by default, which is below this, so a
+# preallocates XLA_CLIENT_MEM_FRACTION of the memory, 0.75 by default, which is below this, so a
 # GPU job sets the fraction above 0.9 (launch/slurm.py: 0.92, the rest for NCCL). A TPU's compiled peak
 # is the compiler's own static plan, checked against its HBM exactly (it refuses a larger program), so
 # TPUs get no headroom.
