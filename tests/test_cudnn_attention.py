@@ -62,7 +62,7 @@ def test_the_cudnn_call_through_xla_is_the_dense_path_on_packed_ul2_rows(kv_head
 
 
 def test_the_gpu_benchmark_config_is_the_paper_1b_and_fits_one_gpu_by_the_analytic_count():
-  """gin/experiments/bench_gpu_paper_1b.gin, which launch/gpu_bench.sh times per attention path."""
+  """gin/experiments/bench_gpu_paper_1b.gin, which launch/gpu_check.sh times per attention path."""
   config, _ = load_run_config([os.path.join(REPO_ROOT, "gin", "experiments", "bench_gpu_paper_1b.gin")], [])
   assert (config.model.num_layers, config.model.d_model, config.model.dtype) == (24, 2048, "bfloat16")
   report = compile_bench.run(config, topology="gpu-1", method="analytic", hbm_gib=141)  # an H200

@@ -10,6 +10,7 @@
   midas bench compile-table --after REPORT.json ... [--before REPORT.json ...]
   midas bench estimate --gin_file=F [--gin_file=MESH] --topology=v5p-128 [--json=OUT]
   midas bench estimate-table --reports REPORT.json ... --results=docs/results/pod_estimated_speed.json
+  midas bench attention [--shape=B,T,H,KV,D ...] [--dtypes ...] [--paths ...] [--json=OUT]
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from midas_jax import distributed, fs, results, versions
 from midas_jax.analysis import compile_table
 from midas_jax.bench import (checkpoint_bench, compile_bench, data_bench, preemption_bench, stacking_bench,
                              store_requests, train_bench)
+from midas_jax import exit_status
+from midas_jax.bench import attention_check
 from midas_jax.commands.common import CommandGroup, add_gin_flags, bench_group, load_run_config
 
 
@@ -123,6 +126,29 @@ def add_commands(root: CommandGroup) -> None:
   p.add_argument("--reports", action="extend", nargs="+", default=[], required=True, help="reports; repeatable")
   p.add_argument("--results", required=True, help="the results file to write the two tables into (its other "
                  "tables stay)")
+
+  _add_attention_command(bench)
+
+
+def _add_attention_command(bench: CommandGroup) -> None:
+  """`bench attention`: each attention path against the dense path on this device (launch/gpu_check.sh)."""
+  p = bench.command("attention", _attention, help="each attention path (dense, flash, cuDNN) against the dense "
+                    "path in float32, output and gradients, on packed UL2 rows, on this device")
+  p.add_argument("--shape", action="append", default=None,
+                 help="BATCH,LENGTH,HEADS,KV_HEADS,HEAD_DIM; repeatable (default: the paper 1B's attention at "
+                      "2048 positions, and 4 query heads a kv head at 1024)")
+  p.add_argument("--dtypes", nargs="+", default=list(attention_check.DTYPES), help="compute dtypes to check")
+  p.add_argument("--paths", nargs="+", default=list(attention_check.PATHS), help="attention paths to check")
+  p.add_argument("--repeats", type=int, default=3, help="timed runs of each path's program (after its compile)")
+  _json_flag(p)
+
+
+def _attention(args, bindings) -> int:
+  del bindings
+  shapes = [attention_check.parse_shape(text) for text in args.shape] if args.shape else attention_check.DEFAULT_SHAPES
+  report = attention_check.run(shapes, args.dtypes, args.paths, args.repeats)
+  _report(args, report, attention_check.format_report(report))
+  return exit_status.FAILED.status if report["failed"] else exit_status.FINISHED.status
 
 
 def _report(args, report, text: str) -> int:
