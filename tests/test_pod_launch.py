@@ -67,7 +67,7 @@ def test_tpu_pod_up_stages_the_run_and_creates_the_slice_with_a_startup_script()
   assert probe == ["gcloud", "storage", "ls", f"gs://bucket/runs/x/launch/wheelhouse/staged-{key}"]
   assert download[3] == "download" and "--only-binary=:all:" in download
   assert "--platform=manylinux_2_35_x86_64" in download and "--python-version=3.11" in download
-  assert "jax[tpu]>=0.10.0,<0.11" in download and f"uv=={_tpu_worker.UV_VERSION}" in download
+  assert "jax[tpu]>=0.10.0,<0.12" in download and f"uv=={_tpu_worker.UV_VERSION}" in download
   assert download[download.index("-c") + 1] == os.path.join(REPO_ROOT, "requirements", "constraints.txt")
   assert sync[:3] == ["gcloud", "storage", "rsync"] and sync[-2] == download[download.index("--dest") + 1]
   assert sync[-1] == "gs://bucket/runs/x/launch/wheelhouse" and marker[-1] == probe[-1]
