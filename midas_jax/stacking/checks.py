@@ -51,6 +51,9 @@ def schedule_for(config: RunConfig) -> schedule.StageSchedule:
             "make the stage steps add up to num_steps, or leave stage_steps None for Prop-alpha")
   if st.num_stages > 1:
     _check_blocks(config)
+  require(st.trigger is None or config.trainer.eval_every > 0, "TrainerConfig.eval_every",
+          f"StackingConfig.trigger={st.trigger!r} grows on the eval loss, but evaluation is off (eval_every=0)",
+          "set TrainerConfig.eval_every > 0 (a few evaluations per stage), or StackingConfig.trigger = None")
   stages = schedule.schedule_from_config(st, num_steps, layers)
   if st.num_stages == 1:
     return stages

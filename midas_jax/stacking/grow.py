@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from midas_jax.configs import GROWTH_MOMENTS
 from midas_jax.errors import require
-from midas_jax.stacking.operators import new_layer_mask
+from midas_jax.stacking.operators import GrowthOperator, get_operator, new_layer_mask
 from midas_jax.train_state import StateLayout, TrainState
 
 LAYERS = "layers"
@@ -153,10 +153,14 @@ def _check_shapes(grown, expected) -> None:
 
 
 def make_grower(old_layout: StateLayout, new_layout: StateLayout, provenance: Sequence[int],
-                new_moments: str = "copy", new_mask=None) -> Callable[..., TrainState]:
+                new_moments: str = "copy", new_mask=None, operator=None,
+                stacking: Any = None) -> Callable[..., TrainState]:
   """grower(state[, fresh_state]) -> the grown state, laid out in new_layout.shardings.
 
   One jitted grow_state, donating the old state (leaves that keep their shape reuse its buffers).
+  operator (a registered name or a GrowthOperator; default stacking.operator, or none): its transform,
+  if any, runs on the gathered state inside the same jitted function, with stacking (the run's
+  StackingConfig) as its settings.
   fresh_state (a TrainState at the new depth; only its params are read) is required when provenance
   has -1 entries. Shapes are checked against the new layout before anything is compiled.
   """
@@ -168,10 +172,18 @@ def make_grower(old_layout: StateLayout, new_layout: StateLayout, provenance: Se
   _check_layers_unsharded(old_layout, "old")
   _check_layers_unsharded(new_layout, "new")
   needs_fresh = bool((prov < 0).any())
+  if operator is None and stacking is not None:
+    operator = stacking.operator
+  op = get_operator(operator) if isinstance(operator, str) else operator
+  require(op is None or isinstance(op, GrowthOperator), "StackingConfig.operator",
+          f"expected an operator name or a GrowthOperator, got {operator!r}", "pass a registered name")
+  transform = None if op is None else op.transform
+  mask = new_layer_mask(prov) if new_mask is None else np.asarray(new_mask, bool)
 
   def grow(state, fresh_params):
     fresh = None if fresh_params is None else TrainState(step=state.step, params=fresh_params, opt_state=None)
-    return grow_state(state, old_layout.logical, prov, new_moments, fresh, new_mask)
+    grown = grow_state(state, old_layout.logical, prov, new_moments, fresh, mask)
+    return grown if transform is None else transform(grown, new_layout.logical, mask, stacking)
 
   fresh_abstract = new_layout.abstract.params if needs_fresh else None
   _check_shapes(jax.eval_shape(grow, old_layout.abstract, fresh_abstract), new_layout.abstract)

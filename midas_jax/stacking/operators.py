@@ -1,34 +1,66 @@
-"""Growth operators: which old layer each layer of the grown model copies.
+"""Growth operators: which old layer each layer of the grown model copies, and what happens after.
 
-An operator is a pure function `fn(num_blocks, block_size) -> provenance` over a model of
-`num_blocks * block_size` layers. `provenance[j]` is the old layer that new layer j copies, or -1 for
-a freshly initialized layer; the trainer grows parameters (and optimizer moments) with
-`x[..., provenance, ...]` along the `layers` axis and takes the new depth from `len(provenance)`.
-Operators differ only in this map, so adding one is registering a function here.
+An operator (`GrowthOperator`) has three parts:
+- `provenance(num_blocks, block_size) -> provenance` over a model of `num_blocks * block_size` layers.
+  `provenance[j]` is the old layer that new layer j copies, or -1 for a freshly initialized layer; the
+  grower gathers parameters (and optimizer moments) with `x[..., provenance, ...]` along the `layers`
+  axis and takes the new depth from `len(provenance)`.
+- `transform(state, logical, new_mask, stacking) -> state` (optional): a pure function over the
+  gathered TrainState (logical: its logical specs; new_mask: True for each new layer, new_layer_mask;
+  stacking: the run's StackingConfig), run inside the
+  grower's one jitted function, so its output lands in the grown layout's shardings.
+- `preserves_function`: whether the grown model computes what the old one did (a plain copy does not:
+  the copied layer adds its update to the residual stream a second time).
+Index-map operators (midas, gradstack, gstack, fresh_block) are only a provenance; registering a plain
+function `fn(num_blocks, block_size)` makes one. The function-preserving ones live in `preserve.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from midas_jax.errors import ConfigError, require
+from midas_jax.stacking import preserve
 
-Operator = Callable[[int, int], np.ndarray]
+Provenance = Callable[[int, int], np.ndarray]
+Transform = Callable[[Any, Any, np.ndarray, Any], Any]
 
-_REGISTRY: Dict[str, Operator] = {}
+
+@dataclasses.dataclass(frozen=True)
+class GrowthOperator:
+  """A placement (provenance), an optional post-gather transform of the grown TrainState, and whether
+  the two together preserve the model's function. Calling it runs the provenance, so an operator is
+  still usable where a plain index map was."""
+
+  provenance: Provenance
+  transform: Optional[Transform] = None
+  preserves_function: bool = False
+
+  def __call__(self, num_blocks: int, block_size: int) -> np.ndarray:
+    return self.provenance(num_blocks, block_size)
+
+
+Operator = Union[GrowthOperator, Provenance]
+
+_REGISTRY: Dict[str, GrowthOperator] = {}
 
 
 def register_operator(name: str, fn: Optional[Operator] = None):
-  """Registers `fn` under `name`; usable as `register_operator("x", fn)` or `@register_operator("x")`."""
+  """Registers `fn` under `name`; usable as `register_operator("x", fn)` or `@register_operator("x")`.
+
+  fn: a GrowthOperator, or a plain `fn(num_blocks, block_size) -> provenance` (an index-map operator
+  that does not preserve the function). Returns the registered GrowthOperator.
+  """
   require(isinstance(name, str) and name != "", "StackingConfig.operator",
           f"operator names must be non-empty strings, got {name!r}", "register under a plain name")
 
-  def add(f: Operator) -> Operator:
-    _REGISTRY[name] = f
-    return f
+  def add(f: Operator) -> GrowthOperator:
+    op = f if isinstance(f, GrowthOperator) else GrowthOperator(provenance=f)
+    _REGISTRY[name] = op
+    return op
 
   return add if fn is None else add(fn)
 
@@ -37,7 +69,7 @@ def known_operators() -> Tuple[str, ...]:
   return tuple(sorted(_REGISTRY))
 
 
-def get_operator(name: str) -> Operator:
+def get_operator(name: str) -> GrowthOperator:
   if name not in _REGISTRY:
     raise ConfigError("StackingConfig.operator", f"unknown growth operator {name!r}",
                       f"use one of {known_operators()}, or register one with "
@@ -87,6 +119,12 @@ def gstack(num_blocks: int, block_size: int) -> np.ndarray:
   """
   layers = _blocks(num_blocks, block_size).reshape(-1)
   return np.concatenate([layers, layers])
+
+
+register_operator("midas_zero", GrowthOperator(provenance=midas, transform=preserve.zero_residual_outputs,
+                                                preserves_function=True))
+register_operator("gradstack_zero", GrowthOperator(provenance=gradstack, transform=preserve.zero_residual_outputs,
+                                                   preserves_function=True))
 
 
 def provenance_for(name: str, num_layers: int, block_size: int) -> np.ndarray:

@@ -151,7 +151,14 @@ def schedule_from_config(stacking: StackingConfig, num_steps: int, num_layers: i
   if k == 1:
     return StageSchedule((num_steps,), num_layers, (num_layers,))
   b = stacking.resolved_block_size(num_layers)
-  steps = stacking.stage_steps or prop_alpha_steps(num_steps, k, stacking.alpha, stacking.start_blocks)
+  if stacking.trigger is not None:  # the earliest boundaries; the trigger decides the actual ones in the loop
+    first = max(stacking.min_stage_steps, 1)
+    require(first * (k - 1) < num_steps, "StackingConfig.min_stage_steps",
+            f"{k - 1} stages of at least {first} steps leave no step of TrainerConfig.num_steps={num_steps} "
+            "for the last", "lower min_stage_steps or num_stages, or train for more steps")
+    steps = (first,) * (k - 1) + (num_steps - first * (k - 1),)
+  else:
+    steps = stacking.stage_steps or prop_alpha_steps(num_steps, k, stacking.alpha, stacking.start_blocks)
   require(sum(steps) == num_steps, "StackingConfig.stage_steps",
           f"stage_steps {tuple(steps)} sum to {sum(steps)}, not TrainerConfig.num_steps={num_steps}",
           "make the stage steps add up to num_steps, or leave stage_steps None for Prop-alpha")

@@ -27,6 +27,7 @@ from midas_jax.data.prefetch import Prefetcher
 from midas_jax.device_peak import peak_flops_per_device
 from midas_jax.errors import NonFiniteLossError
 from midas_jax.stacking.checks import schedule_for
+from midas_jax.stacking.trigger import PLATEAU, GrowthTrigger
 from midas_jax.train import resume, trackers
 from midas_jax.train.checkpointer import Checkpointer
 from midas_jax.train.goodput import Goodput
@@ -128,6 +129,7 @@ class TrainingRun:
     begin = resume.start(self.controller, self.checkpointer, self.resolved, allow_config_changes)
     restore_seconds = time.perf_counter() - restore_start
     self.start_step, self.start_state, self.stage = begin.step, begin.state, begin.stage
+    self.trigger = self._open_trigger()
     self.controller.prepare(self.stage.index + 1)  # compiles the next stage's step while this one trains
     self._write_start_files(begin.accepted_changes)
     trainer, data = config.trainer, config.data
@@ -146,6 +148,24 @@ class TrainingRun:
     self.heartbeat = self._open.enter_context(contextlib.closing(HeartbeatWriter(self.workdir, trainer.log_every)))
     self.window = _Window(self.start_step)
     self.last_loss, self.eval_loss, self.eval_seconds = float("nan"), None, 0.0
+
+  def _open_trigger(self) -> Optional[GrowthTrigger]:
+    """StackingConfig.trigger's state, continued from the save a resume starts from (its metadata holds it)."""
+    stacking = self.config.stacking
+    if stacking.trigger is None or self.schedule.num_stages == 1:
+      return None
+    trigger = GrowthTrigger(stacking, self.schedule.num_stages)
+    if self.start_step:
+      growths = self.controller.growths
+      trigger.restore(self.checkpointer.metadata(self.start_step).get(
+          "growth_trigger", {"stage_start": growths[-1]["step"] if growths else 0}))
+    return trigger
+
+  def _growth_due(self, step: int) -> Optional[str]:
+    """Why the model grows just before `step` (None: it does not): the fixed schedule's boundary, or the trigger."""
+    if self.trigger is None:
+      return "schedule" if self.schedule.stage_at(step) > self.stage.index else None
+    return self.trigger.due(step, self.stage.index)
 
   def _open_writer(self):
     """metrics.jsonl and the trackers of TrainerConfig.trackers, on process 0; nothing on the others."""
@@ -184,8 +204,9 @@ class TrainingRun:
       self.heartbeat.beat(self.start_step, self.stage.index, None)  # this attempt is alive: restored, compiling
       try:
         for step in range(self.start_step, trainer.num_steps):
-          if self.schedule.stage_at(step) > self.stage.index:  # a boundary (or resumed just before one)
-            state = self.grow(state, step)
+          reason = self._growth_due(step)  # a boundary (or resumed just before one), or the trigger's growth
+          if reason:
+            state = self.grow(state, step, reason)
           state = self.step(state, step)
           done = step + 1
           preempted = guard.stop_after(done)  # every step, on every process the same answer
@@ -208,7 +229,7 @@ class TrainingRun:
                        growths=list(self.controller.growths), start_step=self.start_step, preempted=preempted,
                        save_seconds=list(self.checkpointer.save_seconds))
 
-  def grow(self, state: TrainState, step: int) -> TrainState:
+  def grow(self, state: TrainState, step: int, reason: str = "schedule") -> TrainState:
     """At a stage boundary: logs the steps before it, grows the state into the next stage, saves it."""
     if self.window.metrics:
       self._log(step, self._checked_window())
@@ -216,8 +237,12 @@ class TrainingRun:
       state, self.stage = self.controller.grow(state, self.stage, step)
       self.controller.prepare(self.stage.index + 1)
     growth = self.controller.growths[-1]
-    self._record(step, "stage", {"stage": self.stage.index, "depth": self.stage.depth,
-                                 "growth_seconds": growth["seconds"]})
+    record = {"stage": self.stage.index, "depth": self.stage.depth, "growth_seconds": growth["seconds"]}
+    if self.trigger is not None:  # the growths taken go into the records and every later save's metadata
+      self.trigger.grown(step)
+      growth["reason"] = reason  # records hold numbers: 1 grew on a plateau, 0 at max_stage_steps
+      record["plateau"] = int(reason == PLATEAU)
+    self._record(step, "stage", record)
     with self.goodput.timing("logging"):
       self.writer.mark_growth(step, self.stage.index, self.stage.depth, growth["provenance"])
     if self._save(state, step, force=True):
@@ -262,7 +287,9 @@ class TrainingRun:
       self._evaluate(state, done)
     # At a boundary the grown state is saved instead, by the next step's growth.
     saved = False
-    if preempted or last_step or done not in self.schedule.boundaries:
+    boundary = (done in self.schedule.boundaries if self.trigger is None
+                else self.trigger.due(done, self.stage.index) is not None)
+    if preempted or last_step or not boundary:
       saved = self._save(state, done, force=preempted or last_step)
     if preempted or last_step:
       with self.goodput.timing("checkpoint"):
@@ -280,6 +307,9 @@ class TrainingRun:
         only = dataclasses.replace(self.stage.build, pipeline=source)
         metrics[f"loss/{name}"] = only.evaluate(self.stage.eval_step, state.params)["loss"]
     self.eval_loss = metrics["loss"]
+    if self.trigger is not None:  # process 0's decision on every process, though eval losses are global already
+      decision = self.trigger.observe(done, self.eval_loss, self.stage.index)
+      self.trigger.pending = hosts.exchange(f"growth_trigger/{done}", decision)[0]
     self._record(done, "eval", dict(metrics, stage=self.stage.index, depth=self.stage.depth,
                                     cumulative_flops=self.controller.cumulative_flops(done)))
     self.eval_seconds += time.time() - eval_start
@@ -344,7 +374,8 @@ class TrainingRun:
             "growths": self.controller.growths, "config": self.resolved, "operative_config": self.operative_config,
             "data": {"seed": data.seed, "step": step, "mixture": self.pipeline.describe()},
             "versions": metadata_lib.package_versions(), "format": metadata_lib.FORMAT_VERSION,
-            "trackers": self.writer.tracker_state()}
+            "trackers": self.writer.tracker_state(),
+            **({"growth_trigger": self.trigger.to_dict()} if self.trigger is not None else {})}
 
   def _write_stages(self, step: int) -> None:
     if self.primary:

@@ -99,7 +99,8 @@ class StageController:
     start = time.time()
     nxt = self.stage(current.index + 1)
     prov = self.schedule.provenance_into(nxt.index)
-    grower = make_grower(current.build.layout, nxt.build.layout, prov, self.config.stacking.new_moments)
+    grower = make_grower(current.build.layout, nxt.build.layout, prov, self.config.stacking.new_moments,
+                         stacking=self.config.stacking)  # the operator's own transform (e.g. midas_zero's)
     fresh = nxt.build.init_state() if (prov < 0).any() else None
     with nxt.build.context():
       state = grower(state, fresh)
@@ -116,7 +117,10 @@ class StageController:
   def describe(self, step: Optional[int] = None) -> Dict[str, Any]:
     """What `midas inspect` prints: the schedule, speedups, growths so far and each layer's birth."""
     step = self.config.trainer.num_steps if step is None else step
-    stage = self.schedule.stage_at(min(step, self.config.trainer.num_steps - 1))
+    if self.config.stacking.trigger is None:
+      stage = self.schedule.stage_at(min(step, self.config.trainer.num_steps - 1))
+    else:  # the trigger's growths, not the schedule's (its earliest) boundaries
+      stage = 1 + sum(g["step"] <= step for g in self.growths)
     return {
         "step": step,
         "stage": stage,
