@@ -78,6 +78,26 @@ def tiny_run(model=None, mesh=None, optimizer=None, data=None, trainer=None) -> 
   )
 
 
+def to_host(tree):
+  """The tree's arrays copied to host numpy arrays (unsharded)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  return jax.tree.map(np.asarray, tree)
+
+
+def trained_stage(config: configs.RunConfig, steps: int = 2):
+  """(the stage built for config, its state after `steps` train steps): optimizer moments non-zero, so a
+  growth has real moments to carry."""
+  from midas_jax.train.build import build_stage  # pylint: disable=import-outside-toplevel
+  exp = build_stage(config)
+  state = exp.init_state()
+  with exp.context():
+    step = exp.jit_train_step()
+    for s in range(steps):
+      state, _ = step(state, exp.device_batch(s))
+  return exp, state
+
+
 # tests/test_kill_resume.py kills runs at random times drawn from this seed: a fresh one every
 # session, so CI explores new kill points; the report header prints it, and MIDAS_KILL_SEED=<seed>
 # replays a failure's kills (the same trigger lines and delays). Drawn once by the pytest process

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_model, tiny_run
+from conftest import tiny_model, tiny_run, to_host, trained_stage
 from midas_jax import configs
 from midas_jax.errors import ConfigError
 from midas_jax.model import Decoder, dummy_batch
@@ -19,21 +19,12 @@ BLOCK = 2
 PRESERVING = ("midas_zero", "gradstack_zero")
 
 
-def to_host(tree):
-  return jax.tree.map(np.asarray, tree)
-
-
 @pytest.fixture(scope="module")
 def run():
   """A 4-layer model (2 blocks of 2) trained 2 steps on the 8-device FSDP mesh, so moments are non-zero,
   and the 6-layer stage it grows into."""
   config = tiny_run(model=tiny_model(num_layers=4), mesh=FSDP)
-  exp = build_stage(config)
-  state = exp.init_state()
-  with exp.context():
-    step = exp.jit_train_step()
-    for s in range(2):
-      state, _ = step(state, exp.device_batch(s))
+  exp, state = trained_stage(config)
   batch = dummy_batch(2, 16)
   batch["inputs"] = jax.random.randint(jax.random.key(1), (2, 16), 3, 250)
   return dict(exp=exp, host=to_host(state), new=build_stage(config, num_layers=6), batch=batch)

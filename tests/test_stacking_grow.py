@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import layer_config, tiny_model, tiny_run
+from conftest import layer_config, tiny_model, tiny_run, to_host, trained_stage
 from midas_jax import configs, sharding
 from midas_jax.errors import ConfigError
 from midas_jax.model import Decoder, describe_mask, dummy_batch
@@ -24,10 +24,6 @@ FSDP = configs.MeshConfig(data=1, fsdp=-1)
 
 def is_spec(x):
   return isinstance(x, P)
-
-
-def to_host(tree):
-  return jax.tree.map(np.asarray, tree)
 
 
 def leaves(tree, specs):
@@ -59,12 +55,7 @@ def run():
   """A 4-layer model trained 2 steps on the 8-device FSDP mesh (Adam moments non-zero), its host copy,
   and experiments for the grown depth on 8 devices and on 1."""
   config = tiny_run(model=tiny_model(num_layers=4), mesh=FSDP)
-  exp = build_stage(config)
-  state = exp.init_state()
-  with exp.context():
-    step = exp.jit_train_step()
-    for s in range(2):
-      state, _ = step(state, exp.device_batch(s))
+  exp, state = trained_stage(config)
   single = tiny_run(model=config.model, mesh=configs.MeshConfig())
   return dict(config=config, exp=exp, host=to_host(state),
               exp1=build_stage(single, devices=jax.devices()[:1]),
